@@ -1,0 +1,308 @@
+"""The preemptible engine against the model's own forward pass and generate().
+
+Preemptions are triggered through the real PreemptionChannel by forward hooks that raise the
+signal after the n-th operator, so every stop happens at a real boundary of the real loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker.engine import EngineConfig, PrefillEngine, RunStatus
+from worker.preemption import PreemptionChannel
+from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
+from worker.task import Phase
+
+TOL = 1e-4
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.first_logits: torch.Tensor | None = None
+        self.tokens: list[int] = []
+        self.progress: list[int] = []
+
+    def on_chunk_done(self, task, tokens_done):
+        self.progress.append(tokens_done)
+
+    def on_first_token(self, task, token_id, logits):
+        self.first_logits = logits.clone()
+        self.tokens.append(token_id)
+
+    def on_token(self, task, token_id):
+        self.tokens.append(token_id)
+
+
+class StopAfter:
+    """Raises the channel's preempt signal after the listed operator calls (1-based)."""
+
+    def __init__(self, model, channel, stops, *, halves: bool) -> None:
+        self.channel, self.stops, self.calls = channel, set(stops), 0
+        # In "half" mode the engine calls the attention and MLP submodules, not the layer.
+        modules = []
+        for layer in model.model.layers:
+            modules += [layer.self_attn, layer.mlp] if halves else [layer]
+        self.handles = [m.register_forward_hook(self._hook) for m in modules]
+
+    def _hook(self, module, args, output):
+        self.calls += 1
+        if self.calls in self.stops:
+            self.channel.preempt()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def run_to_end(engine, task, channel, recorder):
+    preemptions = 0
+    while (outcome := engine.run(task, channel, recorder)).status is RunStatus.PREEMPTED:
+        assert not outcome.state_dropped
+        preemptions += 1
+    assert outcome.status is RunStatus.FINISHED
+    return preemptions
+
+
+def prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, vocab, (n,), generator=g).tolist())
+
+
+def reference_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("chunk_size", [5, 48, None])
+@pytest.mark.parametrize("check", ["layer", "half"])
+def test_preempted_prefill_gives_exact_logits(request, model_fixture, chunk_size, check):
+    loaded = request.getfixturevalue(model_fixture)
+    model = loaded.model
+    ids = prompt(130, model.config.vocab_size, seed=7)
+    expected = reference_logits(model, ids)
+    engine = PrefillEngine(model, EngineConfig(chunk_size=chunk_size, check=check))
+    n_layers = len(model.model.layers)
+    n_chunks = -(-len(ids) // (chunk_size or len(ids)))
+    operators = n_layers * n_chunks * (2 if check == "half" else 1)
+    rng = random.Random(f"{model_fixture}-{chunk_size}-{check}")
+    for _ in range(4):  # 4 schedules x 12 combinations = 48 random schedules
+        stops = rng.sample(range(1, operators), k=min(6, operators - 1))
+        channel = PreemptionChannel()
+        trigger = StopAfter(model, channel, stops, halves=check == "half")
+        task = engine.new_task(GenerationRequest("r", ids))
+        recorder = Recorder()
+        try:
+            preemptions = run_to_end(engine, task, channel, recorder)
+        finally:
+            trigger.remove()
+        # Every operator but the prompt's last is followed by a check, so every stop is taken.
+        assert preemptions == len(stops)
+        torch.testing.assert_close(recorder.first_logits, expected, atol=TOL, rtol=0)
+    assert engine.suspended_bytes == 0
+
+
+def test_half_boundary_stop_resumes_inside_the_layer(tiny_llama):
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=None, check="half"))
+    ids = prompt(40, tiny_llama.model.config.vocab_size, seed=1)
+    channel = PreemptionChannel()
+    trigger = StopAfter(tiny_llama.model, channel, {1}, halves=True)  # after layer 0 attention
+    task = engine.new_task(GenerationRequest("h", ids))
+    try:
+        outcome = engine.run(task, channel)
+    finally:
+        trigger.remove()
+    assert outcome.status is RunStatus.PREEMPTED
+    assert (outcome.resume_point.layer, outcome.resume_point.half) == (0, 1)
+    # The cache is uneven: layer 0 holds the chunk, layer 1 does not yet.
+    assert task.state.cache.filled[:2] == [40, 0]
+    recorder = Recorder()
+    assert engine.run(task, channel, recorder).status is RunStatus.FINISHED
+    torch.testing.assert_close(
+        recorder.first_logits, reference_logits(tiny_llama.model, ids), atol=TOL, rtol=0
+    )
+
+
+def test_smollm2_preempted_prefill_is_exact(smollm2):
+    model = smollm2.model
+    ids = tuple(smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"])
+    expected = reference_logits(model, ids)
+    rng = random.Random(3)
+    for chunk_size, check in [(16, "layer"), (32, "half"), (None, "layer")]:
+        engine = PrefillEngine(model, EngineConfig(chunk_size=chunk_size, check=check))
+        channel = PreemptionChannel()
+        stops = rng.sample(range(1, 60), k=5)
+        trigger = StopAfter(model, channel, stops, halves=check == "half")
+        recorder = Recorder()
+        try:
+            run_to_end(engine, engine.new_task(GenerationRequest("s", ids)), channel, recorder)
+        finally:
+            trigger.remove()
+        torch.testing.assert_close(recorder.first_logits, expected, atol=TOL, rtol=0)
+
+
+def test_interleaving_three_tasks(tiny_qwen2):
+    """A is preempted, B and C run to completion, A resumes: all three exact."""
+    model = tiny_qwen2.model
+    engine = PrefillEngine(model, EngineConfig(chunk_size=16, check="layer"))
+    channel = PreemptionChannel()
+    prompts = {
+        name: prompt(n, model.config.vocab_size, seed=i)
+        for i, (name, n) in enumerate([("A", 120), ("B", 33), ("C", 70)])
+    }
+    recorders = {name: Recorder() for name in prompts}
+    tasks = {name: engine.new_task(GenerationRequest(name, ids)) for name, ids in prompts.items()}
+    trigger = StopAfter(model, channel, {5}, halves=False)
+    try:
+        outcome = engine.run(tasks["A"], channel, recorders["A"])
+    finally:
+        trigger.remove()
+    assert outcome.status is RunStatus.PREEMPTED and outcome.held_bytes > 0
+    assert engine.suspended_bytes == outcome.held_bytes
+    for name in ("B", "C"):
+        assert engine.run(tasks[name], channel, recorders[name]).status is RunStatus.FINISHED
+    assert engine.run(tasks["A"], channel, recorders["A"]).status is RunStatus.FINISHED
+    for name, ids in prompts.items():
+        torch.testing.assert_close(
+            recorders[name].first_logits, reference_logits(model, ids), atol=TOL, rtol=0
+        )
+    assert engine.suspended_bytes == 0
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_greedy_tokens_after_resume_match_generate(request, model_fixture):
+    loaded = request.getfixturevalue(model_fixture)
+    model = loaded.model
+    ids = prompt(90, model.config.vocab_size, seed=11)
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=16
+        )[0, len(ids) :].tolist()
+    engine = PrefillEngine(model, EngineConfig(chunk_size=32, check="layer"))
+    channel = PreemptionChannel()
+    # Stops in prefill (operators 2 and 7) and in decode (the 14th layer call of decode).
+    n_prefill_ops = len(model.model.layers) * 3
+    trigger = StopAfter(model, channel, {2, 7, n_prefill_ops + 14}, halves=False)
+    recorder = Recorder()
+    task = engine.new_task(GenerationRequest("g", ids, max_new_tokens=16, stop_at_eos=False))
+    try:
+        preemptions = run_to_end(engine, task, channel, recorder)
+    finally:
+        trigger.remove()
+    assert preemptions == 3
+    assert recorder.tokens == generated == task.output_ids
+    assert task.phase is Phase.FINISHED and task.state is None
+
+
+def test_sampling_is_seeded(tiny_llama):
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=None))
+    ids = prompt(20, tiny_llama.model.config.vocab_size, seed=2)
+    params = SamplingParams(temperature=1.5, top_p=0.9, seed=42)
+
+    def sample_once(seed_params):
+        task = engine.new_task(
+            GenerationRequest("s", ids, max_new_tokens=12, sampling=seed_params, stop_at_eos=False)
+        )
+        engine.run(task, PreemptionChannel())
+        return task.output_ids
+
+    assert sample_once(params) == sample_once(params)
+    assert sample_once(params) != sample_once(SamplingParams(temperature=1.5, top_p=0.9, seed=43))
+
+
+def test_memory_cap_drops_state_and_recompute_is_exact(tiny_llama):
+    model = tiny_llama.model
+    ids = prompt(100, model.config.vocab_size, seed=5)
+    engine = PrefillEngine(model, EngineConfig(chunk_size=25, check="layer", memory_cap_bytes=1))
+    channel = PreemptionChannel()
+    trigger = StopAfter(model, channel, {3}, halves=False)
+    task = engine.new_task(GenerationRequest("m", ids))
+    try:
+        outcome = engine.run(task, channel)
+    finally:
+        trigger.remove()
+    assert outcome.status is RunStatus.PREEMPTED and outcome.state_dropped
+    assert outcome.resume_point.tokens_done == 0
+    assert task.state is None and task.phase is Phase.QUEUED and task.recomputes == 1
+    assert engine.suspended_bytes == 0
+    recorder = Recorder()
+    assert engine.run(task, channel, recorder).status is RunStatus.FINISHED
+    torch.testing.assert_close(
+        recorder.first_logits, reference_logits(model, ids), atol=TOL, rtol=0
+    )
+
+
+def test_drop_signal_recomputes_even_under_the_cap(tiny_llama):
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=25))
+    channel = PreemptionChannel()
+    task = engine.new_task(GenerationRequest("d", prompt(60, 500, seed=9)))
+    channel.preempt(drop_state=True)
+    outcome = engine.run(task, channel)
+    assert outcome.state_dropped and task.state is None and engine.suspended_bytes == 0
+    assert channel.signal is None  # the engine consumed the signal it acted on
+
+
+def test_cancel_running_and_suspended_tasks_frees_everything(tiny_llama):
+    model = tiny_llama.model
+    engine = PrefillEngine(model, EngineConfig(chunk_size=10))
+    channel = PreemptionChannel()
+    suspended = engine.new_task(GenerationRequest("s", prompt(50, 500, seed=1)))
+    channel.preempt()
+    assert engine.run(suspended, channel).status is RunStatus.PREEMPTED
+    assert engine.suspended_bytes > 0
+    engine.cancel(suspended)
+    assert engine.suspended_bytes == 0 and suspended.state is None
+    assert suspended.phase is Phase.CANCELLED
+
+    running = engine.new_task(GenerationRequest("r", prompt(50, 500, seed=2)))
+    channel.cancel()
+    assert engine.run(running, channel).status is RunStatus.CANCELLED
+    assert running.state is None and engine.suspended_bytes == 0
+    with pytest.raises(ValueError, match="already cancelled"):
+        engine.run(running, channel)
+
+
+def test_bad_input_is_rejected_clearly(tiny_llama):
+    engine = PrefillEngine(tiny_llama.model, EngineConfig())
+    context = tiny_llama.model.config.max_position_embeddings
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.new_task(GenerationRequest("e", ()))
+    with pytest.raises(InvalidRequestError, match="exceeds the model's context"):
+        engine.new_task(GenerationRequest("l", (5,) * context))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        engine.new_task(GenerationRequest("n", (5,), max_new_tokens=0))
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        engine.new_task(GenerationRequest("n", (5,), max_new_tokens=10**9))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.new_task(GenerationRequest("v", (10**7,)))
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match="chunk_size must be positive"):
+            EngineConfig(chunk_size=bad)
+    with pytest.raises(ValueError, match="check must be"):
+        EngineConfig(check="sometimes")
+
+
+def test_progress_is_reported_per_chunk(tiny_llama):
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=30))
+    recorder = Recorder()
+    task = engine.new_task(GenerationRequest("p", prompt(100, 500, seed=4)))
+    engine.run(task, PreemptionChannel(), recorder)
+    assert recorder.progress == [30, 60, 90]  # the last chunk's end is the first-token event
+    assert len(recorder.tokens) == 1
+
+
+def test_chunk_only_check_stops_at_chunk_boundary(tiny_llama):
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=30, check="chunk"))
+    channel = PreemptionChannel()
+    channel.preempt()  # raised before the first layer: honoured only at the chunk's end
+    task = engine.new_task(GenerationRequest("c", prompt(100, 500, seed=4)))
+    outcome = engine.run(task, channel)
+    assert outcome.status is RunStatus.PREEMPTED
+    assert outcome.resume_point == type(outcome.resume_point)(
+        chunk=1, layer=0, half=0, tokens_done=30
+    )

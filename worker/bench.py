@@ -1,0 +1,316 @@
+"""`tierflow engine-bench`: what layer-boundary preemption costs and what it buys, in one run.
+
+Measured on the machine it runs on, as ratios inside the run (machines here are noisy):
+- time per decoder layer for a large chunk (forward hooks around each layer);
+- whole-prefill time for several chunk sizes C against the whole-prompt time (the efficiency
+  cost of small chunks, the price chunked prefill pays for responsiveness);
+- the overhead of the preemption checks: the cost of one check times the checks per prefill,
+  over the prefill time, and an A/B of check="layer" against check="none";
+- preemption latency (flag raised on another thread -> the engine has returned) when checking
+  at layer boundaries versus only at chunk boundaries, at the same C. A flag raised during the
+  last chunk of a chunk-only run is honoured only when prefill ends: that is the wait a
+  premium request would see, so it counts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import threading
+import time
+import timeit
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from worker.engine import EngineConfig, PrefillEngine, RunStatus
+from worker.preemption import PreemptionChannel
+from worker.request import GenerationRequest
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    model: str = "bench-llama"
+    prompt_tokens: int = 4096
+    chunk_size: int = 2048  # the C of the layer-vs-chunk latency comparison
+    chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    repeats: int = 3  # timed prefills per configuration (median is reported)
+    latency_samples: int = 20  # per check granularity
+    seed: int = 0
+    device: str | None = None
+
+    @classmethod
+    def quick(cls, **overrides) -> EngineBenchConfig:
+        base = dict(
+            prompt_tokens=2048,
+            chunk_size=1024,
+            chunk_sizes=(256, 1024),
+            repeats=1,
+            latency_samples=8,
+        )
+        return cls(**{**base, **overrides})
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+class LayerTimer:
+    """Wall time of every decoder-layer call, via forward hooks (synchronising on CUDA)."""
+
+    def __init__(self, layers, device: torch.device) -> None:
+        self.times: list[float] = []
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._start = 0.0
+        self._handles = []
+        for layer in layers:
+            self._handles.append(layer.register_forward_pre_hook(self._before))
+            self._handles.append(layer.register_forward_hook(self._after))
+
+    def _before(self, module, args):
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _after(self, module, args, output):
+        self._sync()
+        self.times.append(time.perf_counter() - self._start)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def timed_prefill(engine: PrefillEngine, ids: tuple[int, ...]) -> float:
+    task = engine.new_task(GenerationRequest("bench", ids))
+    start = time.perf_counter()
+    outcome = engine.run(task, PreemptionChannel())
+    assert outcome.status is RunStatus.FINISHED
+    return time.perf_counter() - start
+
+
+def preemption_latency(
+    engine: PrefillEngine, ids: tuple[int, ...], delay_s: float
+) -> tuple[float, RunStatus]:
+    """Raise the flag from another thread after ``delay_s``; seconds until run() returned."""
+    channel = PreemptionChannel()
+    task = engine.new_task(GenerationRequest("victim", ids))
+    raised_at: list[float] = []
+
+    def raise_flag() -> None:
+        time.sleep(delay_s)
+        raised_at.append(time.perf_counter())
+        channel.preempt()
+
+    thread = threading.Thread(target=raise_flag, daemon=True)
+    thread.start()
+    outcome = engine.run(task, channel)
+    returned_at = time.perf_counter()
+    thread.join()
+    if outcome.status is RunStatus.PREEMPTED:
+        engine.cancel(task)  # frees the suspended state; resuming is measured elsewhere
+    return returned_at - raised_at[0], outcome.status
+
+
+def per_check_seconds() -> float:
+    """Cost of the exact expression the layer loop evaluates at a boundary."""
+    channel = PreemptionChannel()
+    n = 2_000_000
+    loop = timeit.timeit("channel.signal is not None", globals={"channel": channel}, number=n)
+    empty = timeit.timeit("pass", number=n)
+    return max(loop - empty, 0.0) / n
+
+
+def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> dict:
+    from worker.models import load_model
+
+    console = console or Console()
+    loaded = load_model(cfg.model, device=cfg.device)
+    model = loaded.model
+    n_layers = len(model.model.layers)
+    rng = random.Random(cfg.seed)
+    vocab = model.config.vocab_size
+    ids = tuple(rng.randrange(3, vocab) for _ in range(cfg.prompt_tokens))
+    engine_for = {
+        (c, check): PrefillEngine(model, EngineConfig(chunk_size=c, check=check))
+        for c in (*cfg.chunk_sizes, cfg.chunk_size, None)
+        for check in ("layer", "chunk", "none")
+    }
+    whole = engine_for[(None, "layer")]
+    n_prefills = 1 + (len(cfg.chunk_sizes) + 1) * cfg.repeats + 2 * cfg.repeats
+    with Progress(console=console, transient=True) as progress:
+        bar = progress.add_task(
+            f"engine-bench {loaded.name}", total=n_prefills + 2 * cfg.latency_samples
+        )
+        timed_prefill(whole, ids[:256])  # warm-up: first calls allocate and pick kernels
+
+        timer = LayerTimer(model.model.layers, model.device)
+        try:
+            timed_prefill(engine_for[(cfg.chunk_size, "layer")], ids)
+        finally:
+            timer.remove()
+        progress.advance(bar)
+        layer_times = timer.times
+
+        # Chunk cost: interleave configurations so drift hits all of them alike.
+        prefill_times: dict[int | None, list[float]] = {c: [] for c in (*cfg.chunk_sizes, None)}
+        for _ in range(cfg.repeats):
+            for c in prefill_times:
+                prefill_times[c].append(timed_prefill(engine_for[(c, "layer")], ids))
+                progress.advance(bar)
+        whole_time = statistics.median(prefill_times[None])
+        chunk_cost = {
+            str(c): statistics.median(prefill_times[c]) / whole_time for c in cfg.chunk_sizes
+        }
+
+        # Check overhead, A/B at the benchmark chunk size.
+        ab: dict[str, list[float]] = {"layer": [], "none": []}
+        for _ in range(cfg.repeats):
+            for check in ab:
+                ab[check].append(timed_prefill(engine_for[(cfg.chunk_size, check)], ids))
+                progress.advance(bar)
+        prefill_c = statistics.median(ab["none"])
+        ab_overhead = statistics.median(ab["layer"]) / prefill_c - 1
+        n_chunks = -(-cfg.prompt_tokens // cfg.chunk_size)
+        checks_per_prefill = n_chunks * n_layers
+        check_cost = per_check_seconds()
+        check_overhead = checks_per_prefill * check_cost / prefill_c
+
+        latency: dict[str, dict] = {}
+        for check in ("layer", "chunk"):
+            samples, finished = [], 0
+            for _ in range(cfg.latency_samples):
+                delay = rng.uniform(0.05, 0.95) * prefill_c
+                seconds, status = preemption_latency(
+                    engine_for[(cfg.chunk_size, check)], ids, delay
+                )
+                samples.append(seconds * 1000)
+                finished += status is RunStatus.FINISHED
+                progress.advance(bar)
+            latency[check] = {
+                "p50": percentile(samples, 50),
+                "p99": percentile(samples, 99),
+                "n": len(samples),
+                "ran_to_completion": finished,
+                "samples_ms": samples,
+            }
+
+    return {
+        "model": loaded.name,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "layers": n_layers,
+        "prompt_tokens": cfg.prompt_tokens,
+        "chunk_size": cfg.chunk_size,
+        "layer_time_ms": {
+            "mean": statistics.fmean(layer_times) * 1000,
+            "max": max(layer_times) * 1000,
+            "n": len(layer_times),
+        },
+        "whole_prompt_prefill_ms": whole_time * 1000,
+        "chunk_cost": chunk_cost,
+        "check_overhead_pct": check_overhead * 100,
+        "check_overhead_ab_pct": ab_overhead * 100,
+        "check_cost_ns": check_cost * 1e9,
+        "checks_per_prefill": checks_per_prefill,
+        "preemption_latency_ms": latency,
+    }
+
+
+def render_table(result: dict, console: Console) -> None:
+    lt = result["layer_time_ms"]
+    head = Table(title=f"engine-bench: {result['model']} on {result['device']} ({result['dtype']})")
+    head.add_column("measure")
+    head.add_column("value", justify="right")
+    head.add_row("layers", str(result["layers"]))
+    head.add_row("prompt tokens", str(result["prompt_tokens"]))
+    head.add_row(
+        f"layer time, C={result['chunk_size']} (mean / max)",
+        f"{lt['mean']:.1f} / {lt['max']:.1f} ms",
+    )
+    head.add_row("whole-prompt prefill", f"{result['whole_prompt_prefill_ms']:.0f} ms")
+    for c, ratio in result["chunk_cost"].items():
+        head.add_row(f"prefill time, C={c} / whole prompt", f"{ratio:.3f}x")
+    head.add_row(
+        "check overhead (cost x checks / prefill)",
+        f"{result['check_overhead_pct']:.5f} % ({result['check_cost_ns']:.0f} ns x "
+        f"{result['checks_per_prefill']})",
+    )
+    head.add_row(
+        "check overhead, A/B layer vs none (noisy)", f"{result['check_overhead_ab_pct']:+.2f} %"
+    )
+    console.print(head)
+
+    lat = result["preemption_latency_ms"]
+    table = Table(title=f"preemption latency at C={result['chunk_size']} (flag -> engine returned)")
+    for col in ("checked at", "p50 ms", "p99 ms", "n", "p99 / max layer"):
+        table.add_column(col, justify="right")
+    for check, row in lat.items():
+        table.add_row(
+            check + " boundaries",
+            f"{row['p50']:.1f}",
+            f"{row['p99']:.1f}",
+            str(row["n"]),
+            f"{row['p99'] / lt['max']:.2f}x",
+        )
+    console.print(table)
+    console.print(
+        f"layer-boundary preemption is {lat['chunk']['p50'] / lat['layer']['p50']:.1f}x faster "
+        f"at p50 than chunk-boundary-only preemption"
+    )
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    sizes = list(result["chunk_cost"])
+    left.bar(sizes, [result["chunk_cost"][s] for s in sizes], color="tab:blue")
+    left.axhline(1.0, color="gray", linestyle="--", label="whole prompt")
+    left.set_xlabel("chunk size C (tokens)")
+    left.set_ylabel("prefill time / whole-prompt time")
+    left.set_title("efficiency cost of small chunks")
+    left.legend()
+    for check, color in (("layer", "tab:green"), ("chunk", "tab:red")):
+        samples = sorted(result["preemption_latency_ms"][check]["samples_ms"])
+        ys = [(i + 1) / len(samples) for i in range(len(samples))]
+        right.step(samples, ys, where="post", color=color, label=f"checked at {check} boundaries")
+    right.axvline(
+        result["layer_time_ms"]["max"], color="gray", linestyle=":", label="largest layer time"
+    )
+    right.set_xscale("log")
+    right.set_xlabel("preemption latency (ms, log)")
+    right.set_ylabel("CDF")
+    right.set_title(f"preemption latency at C={result['chunk_size']}")
+    right.legend(loc="lower right")
+    fig.suptitle(f"{result['model']} on {result['device']}, {result['prompt_tokens']}-token prompt")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
+    console = Console()
+    result = run_engine_bench(cfg, console)
+    render_table(result, console)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {json_path}")
+    if png_path:
+        plot(result, png_path)
+        console.print(f"wrote {png_path}")
+    return result

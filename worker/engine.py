@@ -1,0 +1,384 @@
+"""The preemptible prefill engine (FlowPrefill's execution side).
+
+Prefill of a ``transformers`` causal LM runs layer by layer over the prompt in chunks of C
+tokens. Between operators the engine reads the preemption channel: at every layer boundary
+(``check="layer"``), also between the attention and MLP halves of a layer (``"half"``), only
+at chunk ends (``"chunk"``, the vLLM/Sarathi-style baseline), or never (``"none"``). So the
+preemption granularity does not depend on C: chunks stay large and efficient while a stop
+still comes within about one layer.
+
+A stopped task keeps its KV cache and the current chunk's activations and context
+(``worker.task.ExecutionState``); ``run`` on it again continues at the exact operator where it
+stopped, nothing is recomputed. Any number of tasks may be suspended and resumed in any order,
+up to a memory cap (``worker.memory``); past it, or when asked to (``Signal.PREEMPT_DROP``), a
+stopped task's state is dropped and it recomputes later.
+
+After prefill the first token is sampled (the TTFT event), then decode runs up to
+``max_new_tokens``, reading the channel between decode steps.
+
+Supported: models shaped like Llama/Qwen2/Mistral (``model.model.layers`` with rotary
+embeddings, decoder layers made of input_layernorm/self_attn/post_attention_layernorm/mlp), with
+the ``sdpa`` or ``eager`` attention implementation; Qwen2's per-layer ``layer_types`` (full or
+sliding-window attention) are respected.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from worker.kv_cache import LayerwiseKVCache
+from worker.memory import SuspendedMemory
+from worker.preemption import PreemptionChannel, Signal
+from worker.request import GenerationRequest, InvalidRequestError
+from worker.run_ahead import RunAheadLimiter
+from worker.sampling import make_generator, sample_next_token
+from worker.task import ChunkContext, ExecutionState, Phase, ResumePoint, Task
+
+CheckGranularity = Literal["half", "layer", "chunk", "none"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    chunk_size: int | None = 2048  # None: the whole prompt is one chunk
+    check: CheckGranularity = "layer"
+    memory_cap_bytes: int = 4 << 30  # for all suspended tasks together
+    max_new_tokens_limit: int = 4096
+    max_run_ahead_layers: int = 2  # CUDA only; see worker.run_ahead
+
+    def __post_init__(self) -> None:
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive (or None), got {self.chunk_size}")
+        if self.check not in ("half", "layer", "chunk", "none"):
+            raise ValueError(f"check must be half, layer, chunk or none, got {self.check!r}")
+        if self.memory_cap_bytes < 0:
+            raise ValueError("memory_cap_bytes must be >= 0")
+
+
+class RunStatus(enum.Enum):
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    status: RunStatus
+    resume_point: ResumePoint | None = None  # PREEMPTED: where it will continue
+    held_bytes: int = 0  # PREEMPTED with state kept: KV + activations now held
+    state_dropped: bool = False  # PREEMPTED: state dropped, prefill restarts from token 0
+
+
+class EngineListener(Protocol):
+    """Progress callbacks, called on the engine thread; keep them cheap."""
+
+    def on_chunk_done(self, task: Task, tokens_done: int) -> None: ...
+    def on_first_token(self, task: Task, token_id: int, logits: torch.Tensor) -> None: ...
+    def on_token(self, task: Task, token_id: int) -> None: ...
+
+
+class _NoListener:
+    def on_chunk_done(self, task: Task, tokens_done: int) -> None:
+        pass
+
+    def on_first_token(self, task: Task, token_id: int, logits: torch.Tensor) -> None:
+        pass
+
+    def on_token(self, task: Task, token_id: int) -> None:
+        pass
+
+
+_NO_LISTENER = _NoListener()
+
+
+class PrefillEngine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model.eval()
+        backbone = getattr(model, "model", None)
+        needed = ("layers", "embed_tokens", "norm", "rotary_emb")
+        if backbone is None or not all(hasattr(backbone, n) for n in needed):
+            raise ValueError(
+                f"{type(model).__name__} is not supported by the layer-wise engine: it needs "
+                "model.model.{layers, embed_tokens, norm, rotary_emb} (Llama/Qwen2/Mistral family)"
+            )
+        self.layers = list(backbone.layers)
+        self.embed = backbone.embed_tokens
+        self.norm = backbone.norm
+        self.rotary = backbone.rotary_emb
+        self.lm_head = model.lm_head
+        cfg = model.config
+        self.attn_impl = cfg._attn_implementation
+        if self.attn_impl not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self.attn_impl!r} unsupported: use sdpa")
+        self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if len(self.layer_types) == 1:
+            self.layer_types *= len(self.layers)
+        self.sliding_window = getattr(cfg, "sliding_window", None)
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_positions = cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        if self.config.check == "half":
+            parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+            if not all(hasattr(layer, p) for layer in self.layers for p in parts):
+                raise ValueError("check='half' needs decoder layers with attention and MLP halves")
+        self.memory = SuspendedMemory(self.config.memory_cap_bytes)
+        self.run_ahead = RunAheadLimiter.for_device(
+            str(self.device), self.config.max_run_ahead_layers
+        )
+
+    # ------------------------------------------------------------------ tasks
+
+    def new_task(self, request: GenerationRequest) -> Task:
+        """Validate a request and wrap it in a task. Allocates nothing yet."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        if not 1 <= request.max_new_tokens <= self.config.max_new_tokens_limit:
+            raise InvalidRequestError(
+                f"max_new_tokens must be in [1, {self.config.max_new_tokens_limit}], "
+                f"got {request.max_new_tokens}"
+            )
+        if n + request.max_new_tokens > self.max_positions:
+            raise InvalidRequestError(
+                f"prompt of {n} tokens + {request.max_new_tokens} new tokens exceeds the "
+                f"model's context of {self.max_positions} tokens"
+            )
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
+        size = self.config.chunk_size or n
+        chunks = tuple((s, min(s + size, n)) for s in range(0, n, size))
+        return Task(request=request, chunks=chunks, generator=make_generator(request.sampling))
+
+    def cancel(self, task: Task) -> None:
+        """Cancel a task that is not running (queued or suspended) and free what it holds."""
+        self._free(task)
+        task.phase = Phase.CANCELLED
+
+    @property
+    def suspended_bytes(self) -> int:
+        return self.memory.total_bytes
+
+    # ------------------------------------------------------------------ running
+
+    @torch.inference_mode()
+    def run(
+        self,
+        task: Task,
+        channel: PreemptionChannel,
+        listener: EngineListener = _NO_LISTENER,
+    ) -> RunOutcome:
+        """Run ``task`` until it finishes or the channel stops it at a checked boundary.
+
+        The engine clears the signal it acts on; callers clear stale signals before a run.
+        """
+        if task.phase in (Phase.FINISHED, Phase.CANCELLED):
+            raise ValueError(f"task {task.request_id} is already {task.phase.value}")
+        self.memory.release(task.request_id)  # running again: no longer counted as suspended
+        try:
+            if task.phase is Phase.QUEUED:
+                task.state = ExecutionState(cache=self._new_cache(task.request))
+                task.phase = Phase.PREFILL
+            if task.phase is Phase.PREFILL:
+                stopped = self._prefill(task, channel, listener)
+                if stopped is not None:
+                    return stopped
+            return self._decode(task, channel, listener)
+        except BaseException:
+            self._free(task)
+            raise
+        finally:
+            self.run_ahead.drain()
+
+    def _prefill(
+        self, task: Task, channel: PreemptionChannel, listener: EngineListener
+    ) -> RunOutcome | None:
+        state = task.state
+        assert state is not None
+        cache = state.cache
+        layers, layer_types = self.layers, self.layer_types
+        n_layers, n_chunks = len(layers), len(task.chunks)
+        check = self.config.check
+        check_layers = check in ("layer", "half")
+        split_halves = check == "half"
+        check_chunks = check != "none"
+        run_ahead = self.run_ahead
+        while state.chunk < n_chunks:
+            if state.context is None:
+                start, end = task.chunks[state.chunk]
+                ids = torch.tensor([task.request.prompt_ids[start:end]], device=self.device)
+                state.hidden = self.embed(ids)
+                state.context = self._chunk_context(start, end, state.hidden)
+            ctx = state.context
+            h = state.hidden
+            layer_idx = state.layer
+            # The hot loop: one call per operator, then one attribute read per boundary.
+            while layer_idx < n_layers:
+                layer = layers[layer_idx]
+                mask = ctx.masks[layer_types[layer_idx]]
+                if split_halves:
+                    if state.half == 0:
+                        h = self._attention_half(layer, h, mask, ctx, cache)
+                        if channel.signal is not None:
+                            state.hidden, state.layer, state.half = h, layer_idx, 1
+                            return self._stop(task, channel)
+                    h = self._mlp_half(layer, h)
+                    state.half = 0
+                else:
+                    h = layer(
+                        h,
+                        attention_mask=mask,
+                        position_ids=ctx.position_ids,
+                        cache=cache,
+                        use_cache=True,
+                        position_embeddings=ctx.rotary,
+                    )
+                layer_idx += 1
+                run_ahead.layer_done()
+                if check_layers and layer_idx < n_layers and channel.signal is not None:
+                    state.hidden, state.layer = h, layer_idx
+                    return self._stop(task, channel)
+            # Chunk complete: every layer holds its K/V.
+            state.chunk += 1
+            state.layer = 0
+            state.context = None
+            state.hidden = None
+            if state.chunk == n_chunks:
+                self._emit_first_token(task, h, listener)
+                return None
+            listener.on_chunk_done(task, task.chunks[state.chunk][0])
+            if check_chunks and channel.signal is not None:
+                return self._stop(task, channel)
+        raise AssertionError("unreachable: prefill loop ended without emitting the first token")
+
+    def _decode(
+        self, task: Task, channel: PreemptionChannel, listener: EngineListener
+    ) -> RunOutcome:
+        state = task.state
+        assert state is not None
+        request = task.request
+        checks = self.config.check != "none"
+        while len(task.output_ids) < request.max_new_tokens:
+            last = task.output_ids[-1]
+            if request.stop_at_eos and last in self.eos_ids:
+                break
+            if checks and channel.signal is not None:
+                return self._stop(task, channel)
+            position = task.prompt_len + len(task.output_ids) - 1
+            h = self.embed(torch.tensor([[last]], device=self.device))
+            ctx = self._chunk_context(position, position + 1, h)
+            for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+                h = layer(
+                    h,
+                    attention_mask=ctx.masks[layer_type],
+                    position_ids=ctx.position_ids,
+                    cache=state.cache,
+                    use_cache=True,
+                    position_embeddings=ctx.rotary,
+                )
+            logits = self.lm_head(self.norm(h[:, -1:, :]))[0, -1]
+            token = sample_next_token(logits, request.sampling, task.generator)
+            task.output_ids.append(token)
+            listener.on_token(task, token)
+        self._free(task)
+        task.phase = Phase.FINISHED
+        return RunOutcome(RunStatus.FINISHED)
+
+    # ------------------------------------------------------------------ operators
+
+    def _attention_half(self, layer, h, mask, ctx: ChunkContext, cache) -> torch.Tensor:
+        # Same operations, in the same order, as the decoder layer's own forward.
+        attn_out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(h),
+            attention_mask=mask,
+            position_ids=ctx.position_ids,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=ctx.rotary,
+        )
+        return h + attn_out
+
+    @staticmethod
+    def _mlp_half(layer, h: torch.Tensor) -> torch.Tensor:
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _emit_first_token(self, task: Task, h: torch.Tensor, listener: EngineListener) -> None:
+        logits = self.lm_head(self.norm(h[:, -1:, :]))[0, -1]
+        token = sample_next_token(logits, task.request.sampling, task.generator)
+        task.output_ids.append(token)
+        task.phase = Phase.DECODE
+        listener.on_first_token(task, token, logits)
+
+    # ------------------------------------------------------------------ state
+
+    def _chunk_context(self, start: int, end: int, hidden: torch.Tensor) -> ChunkContext:
+        """Masks, positions and rotary embeddings of tokens [start, end) against keys [0, end).
+
+        Built before any layer appends this chunk to the cache. Only a first chunk (no past)
+        may use SDPA's causal fast path (mask None); with a past, None would let every query
+        see every key. A single query may attend to all keys when attention is full.
+        """
+        position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)
+        rotary = self.rotary(hidden, position_ids)
+        q_len = end - start
+        masks: dict[str, torch.Tensor | None] = {}
+        for layer_type in set(self.layer_types):
+            window = self.sliding_window if layer_type == "sliding_attention" else None
+            needs_window = window is not None and end > window
+            if not needs_window and (start == 0 or q_len == 1):
+                masks[layer_type] = None
+                continue
+            q = position_ids[0].unsqueeze(1)
+            k = torch.arange(end, device=self.device).unsqueeze(0)
+            allowed = k <= q
+            if needs_window:
+                allowed = allowed & (q - k < window)
+            mask = allowed[None, None]
+            if self.attn_impl == "eager":  # eager attention adds the mask to the scores
+                mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(
+                    ~mask, torch.finfo(self.dtype).min
+                )
+            masks[layer_type] = mask
+        return ChunkContext(start, end, position_ids, rotary, masks)
+
+    def _new_cache(self, request: GenerationRequest) -> LayerwiseKVCache:
+        return LayerwiseKVCache(
+            num_layers=len(self.layers),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            capacity=len(request.prompt_ids) + request.max_new_tokens,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def _stop(self, task: Task, channel: PreemptionChannel) -> RunOutcome:
+        signal = channel.signal
+        channel.clear()
+        if signal is Signal.CANCEL:
+            self.cancel(task)
+            return RunOutcome(RunStatus.CANCELLED)
+        task.preemptions += 1
+        held = task.held_bytes()
+        if signal is Signal.PREEMPT and self.memory.try_hold(task.request_id, held):
+            return RunOutcome(
+                RunStatus.PREEMPTED, resume_point=task.resume_point(), held_bytes=held
+            )
+        # Asked to drop (recompute policy) or over the memory cap: restart from token 0 later.
+        self._free(task)
+        task.phase = Phase.QUEUED
+        task.output_ids.clear()
+        task.generator = make_generator(task.request.sampling)
+        task.recomputes += 1
+        return RunOutcome(RunStatus.PREEMPTED, resume_point=task.resume_point(), state_dropped=True)
+
+    def _free(self, task: Task) -> None:
+        task.state = None
+        self.memory.release(task.request_id)

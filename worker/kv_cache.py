@@ -1,0 +1,56 @@
+"""A preallocated, per-layer KV cache that the transformers attention modules write into.
+
+Why not ``transformers.DynamicCache``: its ``update`` concatenates, so prefilling a prompt in
+many chunks copies the whole cache once per chunk (quadratic in the number of chunks). Here every
+layer owns one buffer sized for the whole request (prompt + new tokens), ``update`` writes the new
+keys/values in place and returns views of the filled prefix.
+
+Each layer keeps its own fill level. A task preempted in the middle of a chunk leaves the cache
+uneven (early layers already hold the chunk, later ones do not); that is exactly the state to
+resume from, which is also why the engine never asks this cache for "the" sequence length.
+Attention modules of the supported families (Llama, Qwen2, Mistral) only call ``update``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerwiseKVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (1, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.filled = [0] * num_layers
+        self.capacity = capacity
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict | None = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this chunk's K/V for one layer; return all K/V of that layer so far."""
+        start = self.filled[layer_idx]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow at layer {layer_idx}: {end} > {self.capacity}")
+        self.keys[layer_idx][:, :, start:end].copy_(key_states)
+        self.values[layer_idx][:, :, start:end].copy_(value_states)
+        self.filled[layer_idx] = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
