@@ -1,0 +1,123 @@
+"""EngineRunner: the engine on its own thread, driven from another thread as the scheduler does."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+
+from worker.engine import EngineConfig, PrefillEngine
+from worker.events import Cancelled, ChunkDone, Failed, Finished, FirstToken, Preempted
+from worker.request import GenerationRequest
+from worker.runner import EngineRunner
+
+
+class Gate:
+    """Holds the engine thread inside its first ChunkDone callback of ``request_id`` until
+    the test releases it, so a preemption sent meanwhile lands mid-prefill deterministically."""
+
+    def __init__(self) -> None:
+        self.request_id: str | None = None
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def hold(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.reached.clear()
+        self.release.clear()
+
+    def __call__(self, event) -> None:
+        if isinstance(event, ChunkDone) and event.request_id == self.request_id:
+            self.request_id = None
+            self.reached.set()
+            assert self.release.wait(30)
+
+
+@pytest.fixture
+def runner(tiny_llama):
+    events: queue.Queue = queue.Queue()
+    gate = Gate()
+
+    def emit(event) -> None:
+        events.put(event)
+        gate(event)
+
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=16, check="layer"))
+    r = EngineRunner(engine, emit).start()
+    r.events, r.gate = events, gate
+    yield r
+    gate.release.set()
+    r.stop()
+
+
+def pause_mid_prefill(runner, request_id: str) -> None:
+    assert runner.gate.reached.wait(30), f"{request_id} never reached a chunk boundary"
+
+
+def next_event(runner, kind):
+    while True:
+        event = runner.events.get(timeout=30)
+        if isinstance(event, kind):
+            return event
+
+
+def ids(n: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, 400, (n,), generator=g).tolist())
+
+
+def test_preempt_from_another_thread_then_resume_finishes_exactly(runner, tiny_llama):
+    prompt = ids(200, 1)
+    with torch.no_grad():
+        expected = int(tiny_llama.model(torch.tensor([prompt])).logits[0, -1].argmax())
+    runner.gate.hold("a")
+    runner.assign(GenerationRequest("a", prompt))
+    pause_mid_prefill(runner, "a")
+    assert runner.preempt("a")
+    runner.gate.release.set()
+    pre = next_event(runner, Preempted)
+    assert not pre.state_dropped and pre.at >= pre.signalled_at and pre.held_bytes > 0
+    assert runner.suspended_bytes == pre.held_bytes
+    runner.resume("a")
+    first = next_event(runner, FirstToken)
+    assert first.token_id == expected and first.prefill_busy_s > 0
+    done = next_event(runner, Finished)
+    assert done.preemptions == 1 and done.output_ids == (expected,)
+    assert runner.suspended_bytes == 0
+
+
+def test_preempt_of_a_request_that_is_not_running_is_refused(runner):
+    assert not runner.preempt("nobody")
+    runner.assign(GenerationRequest("b", ids(20, 2)))
+    next_event(runner, Finished)
+    assert not runner.preempt("b")  # finished: no stale signal may reach the next request
+    runner.assign(GenerationRequest("c", ids(20, 3)))
+    assert next_event(runner, Finished).request_id == "c"
+
+
+def test_cancel_suspended_and_running(runner):
+    runner.gate.hold("s")
+    runner.assign(GenerationRequest("s", ids(300, 4)))
+    pause_mid_prefill(runner, "s")
+    assert runner.preempt("s")
+    runner.gate.release.set()
+    next_event(runner, Preempted)
+    runner.cancel("s")
+    assert next_event(runner, Cancelled).request_id == "s"
+    assert runner.suspended_bytes == 0
+    runner.gate.hold("r")
+    runner.assign(GenerationRequest("r", ids(300, 5)))
+    pause_mid_prefill(runner, "r")
+    runner.cancel("r")
+    runner.gate.release.set()
+    assert next_event(runner, Cancelled).request_id == "r"
+
+
+def test_invalid_request_fails_without_stopping_the_runner(runner):
+    runner.assign(GenerationRequest("bad", ()))
+    failed = next_event(runner, Failed)
+    assert failed.invalid_request and "empty" in failed.error
+    runner.assign(GenerationRequest("ok", ids(10, 6)))
+    assert next_event(runner, Finished).request_id == "ok"
