@@ -10,7 +10,7 @@ from tierflow.logging import configure_logging
 
 
 def _engine_bench(args: argparse.Namespace) -> int:
-    from worker.bench import EngineBenchConfig, main
+    from bench.engine_bench import EngineBenchConfig, main
 
     overrides = {
         k: v
