@@ -1,0 +1,33 @@
+"""Shared fixtures: the loaded test models, built once per session on CPU in float32.
+
+Session scope because building is the slow part (SmolLM2 most of all) and the engine and model
+tests use the same instances. Tests must treat them as read-only: no weight edits, and any
+forward hook they register removed before they return.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.models import LoadedModel, load_model
+
+
+def _load(name: str) -> LoadedModel:
+    return load_model(name, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LoadedModel:
+    return _load("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> LoadedModel:
+    return _load("tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real SmolLM2-135M-Instruct (converted from its GGUF on first use, ~20 s once)."""
+    return _load("smollm2")
