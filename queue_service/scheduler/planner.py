@@ -1,0 +1,217 @@
+"""Who runs where: rank the waiting requests, fill free workers, choose preemptions.
+
+Pure functions of the scheduler's state at one instant: they decide and return decisions; the
+Scheduler applies them and turns them into commands. The rules common to every policy live
+here: aging (a request that has waited ``starvation_s`` since arrival goes first and is not
+preempted any more), the per-request preemption bound, the cap on suspended states per worker,
+and one preemption per waiting request (the worker being preempted is marked with the request
+it is preempted for, so that request does not cause a second preemption meanwhile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from queue_service.scheduler.policies import SchedulingPolicy, SortKey
+from queue_service.scheduler.predictor import PrefillTimePredictor
+from queue_service.scheduler.request import Request, RequestState, WorkerSlot
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """Predicted time left for a request: its prefill, and all it will hold a worker for."""
+
+    predictor: PrefillTimePredictor
+    decode_s_per_token: float
+
+    def prefill_left(self, req: Request, now: float) -> float:
+        if req.prefilled:
+            return 0.0
+        left = self.predictor.predict(req.prompt_tokens, req.tokens_done)
+        if req.state in (RequestState.RUNNING, RequestState.PREEMPTING):
+            # Between progress reports the worker keeps computing.
+            left = max(0.0, left - (now - req.progress_at_s))
+        return left
+
+    def busy_left(self, req: Request, now: float) -> float:
+        """Prefill left plus the decode estimate: how long it will occupy a worker."""
+        decode = req.max_new_tokens * self.decode_s_per_token
+        if req.prefilled and req.state in (RequestState.DECODING, RequestState.PREEMPTING):
+            decode = max(0.0, decode - (now - req.progress_at_s))
+        return self.prefill_left(req, now) + decode
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The policy-independent limits, from SchedulerConfig."""
+
+    starvation_s: float
+    max_preemptions: int
+    max_suspended_per_worker: int
+
+    def aged(self, req: Request, now: float) -> bool:
+        return now - req.arrival_s >= self.starvation_s
+
+    def preemptible(self, req: Request, now: float) -> bool:
+        return (
+            req.state in (RequestState.RUNNING, RequestState.DECODING)
+            and req.preemptions < self.max_preemptions
+            and not self.aged(req, now)
+        )
+
+
+def rank_waiting(
+    requests: Iterable[Request],
+    policy: SchedulingPolicy,
+    estimator: Estimator,
+    rules: Rules,
+    now: float,
+) -> list[Request]:
+    """Waiting requests (queued or suspended), best first."""
+
+    def key(req: Request) -> tuple[float, SortKey]:
+        if rules.aged(req, now):
+            return (0.0, (req.arrival_s, req.seq))  # oldest starving request first
+        return (1.0, policy.key(req, now, estimator.prefill_left(req, now)))
+
+    return sorted((r for r in requests if r.waiting), key=key)
+
+
+def place_on_free_workers(
+    ranked: Sequence[Request], workers: Sequence[WorkerSlot]
+) -> list[tuple[Request, WorkerSlot]]:
+    """(request, worker) pairs to start now. Workers are in join order.
+
+    Each free worker gets the best candidate that can use it: a queued request (any worker) or
+    a suspended one (only the worker holding its state). A worker freed by a preemption is not
+    kept for the request it was preempted for: if something better arrived meanwhile, that
+    goes first, and the ranking is the same one that justified the preemption.
+    """
+    left = [w for w in workers if w.free]
+    placed: list[tuple[Request, WorkerSlot]] = []
+    for req in ranked:
+        if not left:
+            break
+        if req.state is RequestState.SUSPENDED:
+            worker = next((w for w in left if w.worker_id == req.worker_id), None)
+            if worker is None:
+                continue  # its worker is busy: it waits for that one
+        else:
+            # Keep workers that hold suspended states free for their own requests if possible.
+            worker = min(left, key=lambda w: (len(w.suspended), w.seq))
+        placed.append((req, worker))
+        left.remove(worker)
+    return placed
+
+
+def choose_preemptions(
+    waiting: Sequence[Request],
+    workers: Sequence[WorkerSlot],
+    requests: Mapping[str, Request],
+    policy: SchedulingPolicy,
+    estimator: Estimator,
+    rules: Rules,
+    now: float,
+) -> list[tuple[Request, Request]]:
+    """(victim, beneficiary) pairs: running requests to preempt, and for whom.
+
+    ``waiting``: the ranked requests that found no free worker. Walks them best first while
+    simulating when each would start if nothing were preempted (list scheduling on the
+    predicted busy time of every worker), which gives the policy the ``wait_s`` it needs to
+    judge whether waiting is acceptable. At most one victim per worker and per beneficiary.
+    """
+    if not policy.preempts or not workers:
+        return []
+    free_at: dict[str, float] = {}
+    victims: dict[str, Request] = {}
+    covered = {w.reserved_for for w in workers if w.reserved_for}
+    for worker in workers:
+        active = requests.get(worker.active) if worker.active else None
+        if active is None:
+            free_at[worker.worker_id] = now
+        elif active.state is RequestState.PREEMPTING:
+            # Stopping now; then busy with the request it was preempted for.
+            heir = requests.get(worker.reserved_for) if worker.reserved_for else None
+            busy = estimator.busy_left(heir, now) if heir is not None and heir.waiting else 0.0
+            free_at[worker.worker_id] = now + busy
+        else:
+            free_at[worker.worker_id] = now + estimator.busy_left(active, now)
+            if rules.preemptible(active, now):
+                victims[worker.worker_id] = active
+    seq = {w.worker_id: w.seq for w in workers}
+    suspended = {w.worker_id: len(w.suspended) for w in workers}
+
+    chosen: list[tuple[Request, Request]] = []
+    for req in waiting:
+        if not victims:
+            break
+        if req.request_id in covered:
+            continue  # a worker is being preempted for it; its start is already counted
+        pinned = req.worker_id if req.state is RequestState.SUSPENDED else None
+        if pinned is not None:
+            target = pinned
+        else:
+            target = min(free_at, key=lambda wid: (free_at[wid], seq[wid]))
+        start = free_at[target]
+        busy = estimator.busy_left(req, now)
+        victim = None
+        if not rules.aged(req, now):
+            # Aged requests go first when a worker frees, but do not preempt: that keeps an
+            # old batch request from evicting a premium one.
+            victim = _pick_victim(
+                req, pinned, start - now, busy, victims, suspended, policy, estimator, rules, now
+            )
+        if victim is None:
+            free_at[target] = start + busy  # it would take that worker when it frees
+            continue
+        chosen.append((victim, req))
+        assert victim.worker_id is not None
+        del victims[victim.worker_id]
+        free_at[victim.worker_id] = now + busy
+    return chosen
+
+
+def _pick_victim(
+    req: Request,
+    pinned: str | None,
+    wait_s: float,
+    busy_s: float,
+    victims: Mapping[str, Request],
+    suspended: Mapping[str, int],
+    policy: SchedulingPolicy,
+    estimator: Estimator,
+    rules: Rules,
+    now: float,
+) -> Request | None:
+    waiting_left = estimator.prefill_left(req, now)
+    eligible: list[tuple[SortKey, Request]] = []
+    for worker_id, running in victims.items():
+        if pinned is not None and worker_id != pinned:
+            continue  # a suspended request can only run where its state is
+        if not policy.drop_state:
+            # The victim's state stays on its worker; a resumed beneficiary frees one slot.
+            held = suspended[worker_id] - (1 if pinned == worker_id else 0)
+            if held >= rules.max_suspended_per_worker:
+                continue
+        running_left = estimator.prefill_left(running, now)
+        if policy.should_preempt(
+            req,
+            running,
+            now,
+            waiting_remaining_s=waiting_left,
+            running_remaining_s=running_left,
+            wait_s=wait_s,
+        ):
+            eligible.append((policy.victim_key(running, now, running_left, busy_s), running))
+    if not eligible:
+        return None
+    return min(eligible, key=lambda kv: kv[0])[1]
+
+
+def predicted_wait_s(
+    requests: Iterable[Request], n_workers: int, estimator: Estimator, now: float
+) -> float:
+    """How long a newcomer that queues behind everything would wait: the backlog per worker."""
+    backlog = sum(estimator.busy_left(r, now) for r in requests)
+    return backlog / max(1, n_workers)

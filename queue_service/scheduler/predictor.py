@@ -1,0 +1,207 @@
+"""Predicted prefill time, fitted from measurements.
+
+Prefilling tokens [d, L) of an L-token prompt costs a linear part (projections and MLP, per
+token) and a quadratic part (attention of each new token over everything before it), plus a
+fixed overhead per run:
+
+    t(L, d) = a * (L - d) + b * (L^2 - d^2) + c        a, b, c >= 0
+
+The coefficients are fitted by non-negative least squares on measured (L, d, seconds) samples:
+at start-up from the file ``tierflow calibrate`` writes, then online from each PrefillFinished
+over a bounded window, so the predictor follows the machine it runs on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "tierflow.prefill_predictor"
+FORMAT_VERSION = 1
+MODEL = "a*(L-d) + b*(L^2-d^2) + c"
+
+# Fallback until calibrated: a CPU that prefills 4096 tokens in ~7 s (a ~1.5 ms/token linear
+# part, the quadratic part ~1.7 s at 4096). `tierflow calibrate` replaces these.
+DEFAULT_COEFFICIENTS = (1.5e-3, 1.0e-7, 0.01)
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    prompt_tokens: int  # L
+    tokens_done: int  # d: tokens already computed when the measured run started
+    seconds: float  # measured busy time to compute [d, L)
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or not 0 <= self.tokens_done < self.prompt_tokens:
+            raise ValueError(f"need 0 <= tokens_done < prompt_tokens, got {self}")
+        if not math.isfinite(self.seconds) or self.seconds < 0:
+            raise ValueError(f"seconds must be finite and >= 0, got {self.seconds!r}")
+
+
+def _features(prompt_tokens: np.ndarray, tokens_done: np.ndarray) -> np.ndarray:
+    L = prompt_tokens.astype(np.float64)
+    d = tokens_done.astype(np.float64)
+    return np.column_stack([L - d, L * L - d * d, np.ones_like(L)])
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a handful of columns.
+
+    The NNLS optimum is the unconstrained least-squares solution on its own support, so trying
+    every support (7 for 3 columns) and keeping the best feasible one is exact, and simpler and
+    sturdier than an active-set loop. Columns are scaled first: L^2 is ~1e7 times the constant.
+    """
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    best = np.zeros(x.shape[1])
+    best_residual = float(y @ y)
+    for size in range(1, x.shape[1] + 1):
+        for support in itertools.combinations(range(x.shape[1]), size):
+            cols = list(support)
+            coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((xs[:, cols] @ coef - y) ** 2))
+            if residual < best_residual - 1e-15 * max(best_residual, 1.0):
+                best_residual = residual
+                best = np.zeros(x.shape[1])
+                best[cols] = coef
+    return best / scale
+
+
+class PrefillTimePredictor:
+    """Seconds to prefill tokens [done, L) of an L-token prompt."""
+
+    def __init__(
+        self,
+        a: float = DEFAULT_COEFFICIENTS[0],
+        b: float = DEFAULT_COEFFICIENTS[1],
+        c: float = DEFAULT_COEFFICIENTS[2],
+        *,
+        window: int = 256,
+        min_samples: int = 8,
+    ) -> None:
+        if window < 1 or min_samples < 1:
+            raise ValueError("window and min_samples must be >= 1")
+        for name, value in (("a", a), ("b", b), ("c", c)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"coefficient {name} must be finite and >= 0, got {value!r}")
+        self._coef = (float(a), float(b), float(c))
+        self.min_samples = min_samples
+        self._samples: deque[PrefillSample] = deque(maxlen=window)
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        return self._coef
+
+    @property
+    def window(self) -> int:
+        return self._samples.maxlen or 0
+
+    @property
+    def samples(self) -> tuple[PrefillSample, ...]:
+        return tuple(self._samples)
+
+    def predict(self, prompt_tokens: int, tokens_done: int = 0) -> float:
+        """Predicted seconds to compute tokens [tokens_done, prompt_tokens); 0 when none left."""
+        if tokens_done >= prompt_tokens:
+            return 0.0
+        d = max(tokens_done, 0)
+        a, b, c = self._coef
+        return a * (prompt_tokens - d) + b * (prompt_tokens * prompt_tokens - d * d) + c
+
+    def fit(self, samples: Iterable[PrefillSample]) -> PrefillTimePredictor:
+        """Replace the window with ``samples`` (the newest ``window`` of them) and refit."""
+        samples = list(samples)
+        if not samples:
+            raise ValueError("cannot fit the prefill predictor on no samples")
+        self._samples.clear()
+        self._samples.extend(samples)
+        self._refit()
+        return self
+
+    def observe(self, sample: PrefillSample) -> None:
+        """Add one measurement; refit once the window holds at least ``min_samples``."""
+        self._samples.append(sample)
+        if len(self._samples) >= self.min_samples:
+            self._refit()
+
+    def _refit(self) -> None:
+        lengths = np.array([s.prompt_tokens for s in self._samples])
+        done = np.array([s.tokens_done for s in self._samples])
+        seconds = np.array([s.seconds for s in self._samples], dtype=np.float64)
+        coef = _nnls(_features(lengths, done), seconds)
+        self._coef = (float(coef[0]), float(coef[1]), float(coef[2]))
+
+    # ------------------------------------------------------------------ persistence
+
+    def to_json(self) -> str:
+        a, b, c = self._coef
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "model": MODEL,
+                "a": a,
+                "b": b,
+                "c": c,
+                "window": self.window,
+                "min_samples": self.min_samples,
+                # [prompt_tokens, tokens_done, seconds]: kept so online refits continue from it
+                "samples": [[s.prompt_tokens, s.tokens_done, s.seconds] for s in self._samples],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> PrefillTimePredictor:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a prefill predictor file (expected format {FORMAT!r})")
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"prefill predictor format version {data.get('version')!r} is not supported "
+                f"(this code reads version {FORMAT_VERSION})"
+            )
+        try:
+            predictor = cls(
+                float(data["a"]),
+                float(data["b"]),
+                float(data["c"]),
+                window=int(data.get("window", 256)),
+                min_samples=int(data.get("min_samples", 8)),
+            )
+            # Restore the window without refitting: the saved coefficients are authoritative.
+            predictor._samples.extend(
+                PrefillSample(int(L), int(d), float(s)) for L, d, s in data.get("samples", [])
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid prefill predictor file: {exc!r}") from None
+        return predictor
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically: a reader never sees half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n", encoding="utf-8")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PrefillTimePredictor:
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    def __repr__(self) -> str:
+        a, b, c = self._coef
+        return (
+            f"PrefillTimePredictor(a={a:.3g}, b={b:.3g}, c={c:.3g}, samples={len(self._samples)})"
+        )

@@ -1,0 +1,78 @@
+"""The scheduler's view of one request, and of one worker's slot.
+
+A worker runs one request at a time, prefill then decode (``worker/engine.py``), so a request
+holds its worker from Assign/Resume until it is done, preempted or cancelled. A suspended
+request's KV state lives on ONE worker: it can only resume there, unless the state was dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tierflow.tiers import TierPolicy
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"  # waiting, no state anywhere: starts from token 0 on any worker
+    RUNNING = "running"  # prefilling on its worker
+    DECODING = "decoding"  # first token sent, still holding its worker
+    PREEMPTING = "preempting"  # Preempt sent, ack not yet received; worker not yet free
+    SUSPENDED = "suspended"  # stopped, state kept on its worker; resumable only there
+    DONE = "done"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+
+WAITING = frozenset({RequestState.QUEUED, RequestState.SUSPENDED})
+ON_WORKER = frozenset({RequestState.RUNNING, RequestState.DECODING, RequestState.PREEMPTING})
+TERMINAL = frozenset({RequestState.DONE, RequestState.CANCELLED, RequestState.REJECTED})
+
+
+@dataclass
+class Request:
+    request_id: str
+    tier: TierPolicy
+    arrival_s: float
+    prompt_tokens: int
+    max_new_tokens: int = 0
+    seq: int = 0  # admission order: the tie-break that keeps every ordering total
+    state: RequestState = RequestState.QUEUED
+    tokens_done: int = 0  # prompt tokens whose state exists (on worker_id)
+    prefilled: bool = False  # first token sent and the state still exists: decoding
+    worker_id: str | None = None  # running it, or holding its suspended state
+    preemptions: int = 0
+    # When tokens_done was last exact (start, resume, progress): the estimate of what is left
+    # subtracts the time spent since, so a silent worker does not freeze the estimate.
+    progress_at_s: float = 0.0
+    first_token_s: float | None = None
+
+    @property
+    def deadline_s(self) -> float:
+        return self.arrival_s + self.tier.ttft_slo_s
+
+    @property
+    def waiting(self) -> bool:
+        return self.state in WAITING
+
+    def restart_from_scratch(self) -> None:
+        """Its state is gone (dropped by the worker, or the worker left): back to the queue."""
+        self.state = RequestState.QUEUED
+        self.tokens_done = 0
+        self.prefilled = False
+        self.worker_id = None
+
+
+@dataclass
+class WorkerSlot:
+    worker_id: str
+    seq: int  # join order: deterministic tie-break between workers
+    active: str | None = None  # request RUNNING, DECODING or PREEMPTING here
+    suspended: dict[str, None] = field(default_factory=dict)  # ordered set of request ids
+    # While PREEMPTING: the waiting request it is preempted for, so that one does not trigger a
+    # second preemption elsewhere before the ack (one preemption per beneficiary).
+    reserved_for: str | None = None
+
+    @property
+    def free(self) -> bool:
+        return self.active is None

@@ -1,0 +1,379 @@
+"""The event-driven scheduler: a pure state machine, events in, commands out.
+
+``Scheduler.handle(event, now)`` is the only entry point that changes state, and the only place
+decisions are made: no threads, no sleeping, no clock of its own (``now`` is passed in), no I/O.
+So the same object runs in-process in benchmarks (a simulated or real clock) and behind the
+gRPC/Kafka I/O of the queue service, which translates wire messages to events and commands
+back to wire messages.
+
+Contracts with the worker side:
+- A worker runs one request at a time, prefill then decode; a request holds its worker from
+  Assign/Resume until RequestDone, PreemptionAcked or Cancel.
+- Commands to one worker are applied in the order they are sent: after Cancel the scheduler
+  treats the worker as free at once, and the worker starts the next Assign when it has stopped.
+- Events naming a worker that no longer holds the request are stale and ignored (races
+  between a Preempt and the end of a prefill, a worker that left, a cancelled request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from queue_service.scheduler import planner
+from queue_service.scheduler.events import (
+    Assign,
+    Cancel,
+    Command,
+    Event,
+    Preempt,
+    PreemptionAcked,
+    PrefillFinished,
+    PrefillProgress,
+    Reject,
+    RequestArrived,
+    RequestCancelled,
+    RequestDone,
+    Resume,
+    WorkerJoined,
+    WorkerLeft,
+)
+from queue_service.scheduler.policies import SchedulingPolicy, make_policy
+from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
+from queue_service.scheduler.request import ON_WORKER, Request, RequestState, WorkerSlot
+from tierflow.tiers import TierTable
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Anti-thrash: after this many preemptions a request runs to completion.
+    max_preemptions: int = 3
+    # No starvation: waited this long since arrival -> first in line and never preempted. Above
+    # the largest TTFT SLO so that it only overrides the policy for work already late.
+    starvation_s: float = 300.0
+    # Overload: a new request of a sheddable tier is rejected when this many sheddable requests
+    # already wait, or when the predicted wait (backlog per worker) exceeds the second limit.
+    max_queued_sheddable: int = 1000
+    max_predicted_wait_s: float = 300.0
+    # Suspended states kept per worker (KV memory); the worker also caps bytes itself.
+    max_suspended_per_worker: int = 4
+    # Decode estimate, only used to predict when a worker frees up.
+    decode_s_per_token: float = 0.05
+    # Refit the prefill predictor from every PrefillFinished.
+    refit_predictor: bool = True
+    # Terminal request ids remembered so that a redelivered arrival is ignored.
+    remember_finished: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_preemptions", "max_queued_sheddable", "max_suspended_per_worker"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("starvation_s", "max_predicted_wait_s", "decode_s_per_token"):
+            value = getattr(self, name)
+            if math.isnan(value) or value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if self.remember_finished < 1:
+            raise ValueError("remember_finished must be >= 1")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        policy: SchedulingPolicy | str,
+        tiers: TierTable,
+        predictor: PrefillTimePredictor | None = None,
+        config: SchedulerConfig | None = None,
+    ) -> None:
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.tiers = tiers
+        self.predictor = predictor if predictor is not None else PrefillTimePredictor()
+        self.config = config if config is not None else SchedulerConfig()
+        self._estimator = planner.Estimator(self.predictor, self.config.decode_s_per_token)
+        self._rules = planner.Rules(
+            starvation_s=self.config.starvation_s,
+            max_preemptions=self.config.max_preemptions,
+            max_suspended_per_worker=self.config.max_suspended_per_worker,
+        )
+        self._requests: dict[str, Request] = {}  # live: not yet terminal
+        self._finished: OrderedDict[str, RequestState] = OrderedDict()
+        self._workers: dict[str, WorkerSlot] = {}  # in join order
+        self._seq = 0
+        self._worker_seq = 0
+        self._counters: Counter[str] = Counter()
+        self._handlers: dict[type, Callable[[Any, float], list[Command]]] = {
+            RequestArrived: self._on_arrived,
+            PrefillProgress: self._on_progress,
+            PrefillFinished: self._on_prefill_finished,
+            RequestDone: self._on_done,
+            PreemptionAcked: self._on_preemption_acked,
+            RequestCancelled: self._on_cancelled,
+            WorkerJoined: self._on_worker_joined,
+            WorkerLeft: self._on_worker_left,
+        }
+
+    # ------------------------------------------------------------------ entry point
+
+    def handle(self, event: Event, now: float) -> list[Command]:
+        """Apply one event at time ``now`` (seconds, any epoch); return the commands to send."""
+        try:
+            handler = self._handlers[type(event)]
+        except KeyError:
+            raise TypeError(f"not a scheduler event: {event!r}") from None
+        self._counters[type(event).__name__] += 1
+        return handler(event, now)
+
+    # ------------------------------------------------------------------ events
+
+    def _on_arrived(self, ev: RequestArrived, now: float) -> list[Command]:
+        rid = ev.request_id
+        if rid in self._requests or rid in self._finished:
+            self._counters["duplicate_arrivals"] += 1
+            return []  # redelivered (Kafka at-least-once, client retry): already handled
+        if ev.tier not in self.tiers:
+            return self._reject(
+                rid, f"unknown tier {ev.tier!r}; known: {', '.join(self.tiers.names)}"
+            )
+        if ev.prompt_tokens < 1 or ev.max_new_tokens < 0:
+            return self._reject(
+                rid,
+                f"invalid request: prompt_tokens={ev.prompt_tokens}, "
+                f"max_new_tokens={ev.max_new_tokens}",
+            )
+        tier = self.tiers[ev.tier]
+        if tier.sheddable:
+            reason = self._overload_reason(now)
+            if reason is not None:
+                return self._reject(rid, reason)
+        self._seq += 1
+        self._requests[rid] = Request(
+            request_id=rid,
+            tier=tier,
+            arrival_s=now,
+            prompt_tokens=ev.prompt_tokens,
+            max_new_tokens=ev.max_new_tokens,
+            seq=self._seq,
+            progress_at_s=now,
+        )
+        return self._schedule(now)
+
+    def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
+        # Only sharpens the estimate of what is left; decisions wait for the next real event.
+        req = self._on_worker(ev.request_id, ev.worker_id)
+        if req is not None and not req.prefilled:
+            req.tokens_done = max(req.tokens_done, min(ev.tokens_done, req.prompt_tokens))
+            req.progress_at_s = now
+        return []
+
+    def _on_prefill_finished(self, ev: PrefillFinished, now: float) -> list[Command]:
+        req = self._on_worker(ev.request_id, ev.worker_id)
+        if req is None or req.prefilled:
+            return []
+        req.prefilled = True
+        req.tokens_done = req.prompt_tokens
+        if req.first_token_s is None:
+            req.first_token_s = now
+        if req.state is RequestState.RUNNING:
+            # A PREEMPTING one stays so: the engine also stops decode at its next check.
+            req.state = RequestState.DECODING
+            req.progress_at_s = now
+        if self.config.refit_predictor and ev.tokens >= 1 and ev.prefill_s > 0:
+            self.predictor.observe(PrefillSample(ev.tokens, 0, ev.prefill_s))
+        # Its first token is out, so it is now a cheap victim: a decision point.
+        return self._schedule(now)
+
+    def _on_done(self, ev: RequestDone, now: float) -> list[Command]:
+        req = self._requests.get(ev.request_id)
+        if req is None or req.worker_id != ev.worker_id:
+            return []
+        worker = self._workers.get(ev.worker_id)
+        if worker is not None:
+            worker.suspended.pop(req.request_id, None)
+            if worker.active == req.request_id:
+                worker.active = None
+        self._finish(req, RequestState.DONE)
+        return self._schedule(now)
+
+    def _on_preemption_acked(self, ev: PreemptionAcked, now: float) -> list[Command]:
+        req = self._on_worker(ev.request_id, ev.worker_id)
+        if req is None or req.state is not RequestState.PREEMPTING:
+            return []  # it finished or was cancelled before the worker saw the Preempt
+        worker = self._workers[ev.worker_id]
+        worker.active = None
+        if ev.state_dropped:
+            req.restart_from_scratch()
+            self._counters["restarts"] += 1
+        else:
+            req.state = RequestState.SUSPENDED
+            if not req.prefilled:
+                req.tokens_done = max(0, min(ev.tokens_done, req.prompt_tokens))
+            worker.suspended[req.request_id] = None
+        return self._schedule(now)
+
+    def _on_cancelled(self, ev: RequestCancelled, now: float) -> list[Command]:
+        req = self._requests.get(ev.request_id)
+        if req is None:
+            return []
+        commands: list[Command] = []
+        if req.worker_id is not None and req.worker_id in self._workers:
+            worker = self._workers[req.worker_id]
+            commands.append(Cancel(req.request_id, worker.worker_id))
+            worker.suspended.pop(req.request_id, None)
+            if worker.active == req.request_id:
+                worker.active = None
+        self._finish(req, RequestState.CANCELLED)
+        return commands + self._schedule(now)
+
+    def _on_worker_joined(self, ev: WorkerJoined, now: float) -> list[Command]:
+        if ev.worker_id in self._workers:
+            return []
+        self._worker_seq += 1
+        self._workers[ev.worker_id] = WorkerSlot(ev.worker_id, self._worker_seq)
+        return self._schedule(now)
+
+    def _on_worker_left(self, ev: WorkerLeft, now: float) -> list[Command]:
+        worker = self._workers.pop(ev.worker_id, None)
+        if worker is None:
+            return []
+        # Its states are gone with it: everything it held starts again, elsewhere.
+        held = [*([worker.active] if worker.active else []), *worker.suspended]
+        for rid in held:
+            self._requests[rid].restart_from_scratch()
+            self._counters["restarts"] += 1
+        return self._schedule(now)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _schedule(self, now: float) -> list[Command]:
+        workers = list(self._workers.values())
+        ranked = planner.rank_waiting(
+            self._requests.values(), self.policy, self._estimator, self._rules, now
+        )
+        placements = planner.place_on_free_workers(ranked, workers)
+        for worker in workers:
+            if worker.free:
+                worker.reserved_for = None  # the preemption it was marked for is over
+        commands: list[Command] = [self._start(req, worker, now) for req, worker in placements]
+        if self.policy.preempts:
+            placed = {req.request_id for req, _ in placements}
+            still_waiting = [r for r in ranked if r.request_id not in placed]
+            for victim, beneficiary in planner.choose_preemptions(
+                still_waiting,
+                workers,
+                self._requests,
+                self.policy,
+                self._estimator,
+                self._rules,
+                now,
+            ):
+                commands.append(self._preempt(victim, beneficiary))
+        return commands
+
+    def _start(self, req: Request, worker: WorkerSlot, now: float) -> Command:
+        resume = req.state is RequestState.SUSPENDED
+        if resume:
+            del worker.suspended[req.request_id]
+        req.state = RequestState.DECODING if req.prefilled else RequestState.RUNNING
+        req.worker_id = worker.worker_id
+        req.progress_at_s = now
+        worker.active = req.request_id
+        if resume:
+            self._counters["resumes"] += 1
+            return Resume(req.request_id, worker.worker_id)
+        self._counters["assigns"] += 1
+        return Assign(req.request_id, worker.worker_id)
+
+    def _preempt(self, victim: Request, beneficiary: Request) -> Command:
+        assert victim.worker_id is not None
+        victim.state = RequestState.PREEMPTING
+        victim.preemptions += 1
+        self._workers[victim.worker_id].reserved_for = beneficiary.request_id
+        self._counters["preemptions"] += 1
+        return Preempt(victim.request_id, victim.worker_id, drop_state=self.policy.drop_state)
+
+    def _overload_reason(self, now: float) -> str | None:
+        queued = sum(1 for r in self._requests.values() if r.waiting and r.tier.sheddable)
+        limit = self.config.max_queued_sheddable
+        if queued >= limit:
+            return (
+                f"overloaded: {queued} requests of sheddable tiers already waiting (limit {limit})"
+            )
+        wait = planner.predicted_wait_s(
+            self._requests.values(), len(self._workers), self._estimator, now
+        )
+        if wait > self.config.max_predicted_wait_s:
+            return (
+                f"overloaded: predicted wait {wait:.1f} s exceeds "
+                f"{self.config.max_predicted_wait_s:.1f} s"
+            )
+        return None
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _on_worker(self, request_id: str, worker_id: str) -> Request | None:
+        """The request if ``worker_id`` holds it on its compute now; None for stale events."""
+        req = self._requests.get(request_id)
+        if req is None or req.worker_id != worker_id or req.state not in ON_WORKER:
+            return None
+        return req
+
+    def _reject(self, request_id: str, reason: str) -> list[Command]:
+        self._remember(request_id, RequestState.REJECTED)
+        self._counters["rejected"] += 1
+        return [Reject(request_id, reason)]
+
+    def _finish(self, req: Request, state: RequestState) -> None:
+        req.state = state
+        del self._requests[req.request_id]
+        self._remember(req.request_id, state)
+        self._counters[state.value] += 1
+
+    def _remember(self, request_id: str, state: RequestState) -> None:
+        self._finished[request_id] = state
+        while len(self._finished) > self.config.remember_finished:
+            self._finished.popitem(last=False)
+
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return tuple(self._workers)
+
+    def queue_depth(self) -> dict[str, int]:
+        """Waiting requests (queued or suspended) per tier, every tier listed."""
+        depth = dict.fromkeys(self.tiers.names, 0)
+        for req in self._requests.values():
+            if req.waiting:
+                depth[req.tier.name] += 1
+        return depth
+
+    def running(self) -> dict[str, str | None]:
+        """Worker -> the request on its compute (running, decoding or being preempted)."""
+        return {wid: w.active for wid, w in self._workers.items()}
+
+    def suspended(self) -> dict[str, tuple[str, ...]]:
+        """Worker -> the requests whose suspended state it holds."""
+        return {wid: tuple(w.suspended) for wid, w in self._workers.items()}
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        """Current state; terminal states are remembered for ``remember_finished`` requests."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            return req.state
+        return self._finished.get(request_id)
+
+    def request(self, request_id: str) -> Request | None:
+        """A copy of a live request's record (changing it does not change the scheduler)."""
+        req = self._requests.get(request_id)
+        return dataclasses.replace(req) if req is not None else None
+
+    def live_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Events seen by type, and assigns, resumes, preemptions, restarts, rejections, ..."""
+        return dict(self._counters)

@@ -1,0 +1,434 @@
+"""Scheduler rules, one test per rule, on a fake clock (``now`` is just a number here).
+
+Tiers and the predictor are fixed by the tests, not read from config/tiers.toml, so that tuning
+the SLOs there cannot change what these tests check: 1000 prompt tokens = 1 s of prefill;
+SLOs: critical 1 s, standard 5 s, batch 100 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from queue_service.scheduler import (
+    Assign,
+    Cancel,
+    Preempt,
+    PreemptionAcked,
+    PrefillFinished,
+    PrefillProgress,
+    PrefillTimePredictor,
+    Reject,
+    RequestArrived,
+    RequestCancelled,
+    RequestDone,
+    RequestState,
+    Resume,
+    Scheduler,
+    SchedulerConfig,
+    WorkerJoined,
+    WorkerLeft,
+    make_policy,
+)
+from tierflow.tiers import TierPolicy, TierTable
+
+TIERS = TierTable(
+    [
+        TierPolicy("critical", 0, 1.0),
+        TierPolicy("standard", 1, 5.0),
+        TierPolicy("batch", 2, 100.0, sheddable=True),
+    ]
+)
+
+
+def make(policy: str, workers: int = 1, **config) -> Scheduler:
+    config.setdefault("refit_predictor", False)
+    config.setdefault("decode_s_per_token", 0.0)
+    sched = Scheduler(
+        make_policy(policy),
+        TIERS,
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),  # 1000 tokens = 1 s
+        SchedulerConfig(**config),
+    )
+    for i in range(workers):
+        assert sched.handle(WorkerJoined(f"w{i}"), 0.0) == []
+    return sched
+
+
+def arrive(sched, rid, tier, tokens, now, new_tokens=0):
+    return sched.handle(RequestArrived(rid, tier, tokens, new_tokens), now)
+
+
+def drain_order(sched: Scheduler, now: float) -> list[str]:
+    """Join one worker to a scheduler with none, finish each assigned request, record order."""
+    order = []
+    commands = sched.handle(WorkerJoined("w0"), now)
+    while commands:
+        assert not any(isinstance(c, Preempt) for c in commands), commands
+        (assign,) = commands
+        assert isinstance(assign, Assign)
+        order.append(assign.request_id)
+        now += 0.01
+        commands = sched.handle(RequestDone(assign.request_id, "w0"), now)
+    return order
+
+
+# ---------------------------------------------------------------------------- ordering
+
+
+def queue_mixed(sched: Scheduler) -> None:
+    arrive(sched, "b1", "batch", 500, 0.0)
+    arrive(sched, "c1", "critical", 100, 0.1)
+    arrive(sched, "s1", "standard", 100, 0.2)
+    arrive(sched, "c2", "critical", 100, 0.3)
+
+
+def test_fifo_orders_by_arrival():
+    sched = make("fifo", workers=0)
+    queue_mixed(sched)
+    assert drain_order(sched, 0.4) == ["b1", "c1", "s1", "c2"]
+
+
+@pytest.mark.parametrize("policy", ["priority", "chunked", "recompute"])
+def test_tier_policies_order_by_rank_then_arrival(policy):
+    sched = make(policy, workers=0)
+    queue_mixed(sched)
+    assert drain_order(sched, 0.4) == ["c1", "c2", "s1", "b1"]
+
+
+def test_flowprefill_orders_by_deadline_with_negative_slack_last():
+    sched = make("flowprefill", workers=0)
+    arrive(sched, "s1", "standard", 100, 0.0)  # deadline 5.0
+    arrive(sched, "hopeless", "critical", 3000, 0.0)  # deadline 1.0 but needs 3 s: slack < 0
+    arrive(sched, "b1", "batch", 100, 0.0)  # deadline 100
+    arrive(sched, "c1", "critical", 100, 0.5)  # deadline 1.5
+    # hopeless has the earliest deadline, but it misses anyway: it goes after all the others,
+    # and is still completed.
+    assert drain_order(sched, 0.6) == ["c1", "s1", "b1", "hopeless"]
+
+
+# ---------------------------------------------------------------------------- preemption
+
+
+@pytest.mark.parametrize("policy", ["fifo", "priority"])
+def test_non_preemptive_policies_never_preempt(policy):
+    sched = make(policy)
+    assert arrive(sched, "b", "batch", 10_000, 0.0) == [Assign("b", "w0")]
+    assert arrive(sched, "c", "critical", 10, 0.5) == []
+    assert sched.policy.preempts is False and sched.policy.engine_check == "none"
+    assert sched.handle(RequestDone("b", "w0"), 10.0) == [Assign("c", "w0")]
+
+
+@pytest.mark.parametrize(("policy", "drop"), [("chunked", False), ("recompute", True)])
+def test_tier_preemptive_policies_preempt_on_any_higher_tier(policy, drop):
+    sched = make(policy)
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    # Even a standard request that would easily make its 5 s SLO preempts a batch one.
+    assert arrive(sched, "s", "standard", 10, 9.0) == [Preempt("b", "w0", drop_state=drop)]
+    assert sched.state_of("b") is RequestState.PREEMPTING
+    acked = sched.handle(PreemptionAcked("b", "w0", tokens_done=8000, state_dropped=drop), 9.01)
+    assert acked == [Assign("s", "w0")]
+    after = sched.handle(RequestDone("s", "w0"), 9.1)
+    if drop:
+        # State dropped: it starts again from token 0, anywhere.
+        assert after == [Assign("b", "w0")]
+    else:
+        assert after == [Resume("b", "w0")]
+        assert sched.request("b").tokens_done == 8000
+        assert sched.request("b").preemptions == 1
+
+
+@pytest.mark.parametrize("policy", ["chunked", "recompute"])
+def test_tier_preemptive_policies_do_not_preempt_same_or_lower_tier(policy):
+    sched = make(policy)
+    arrive(sched, "s", "standard", 10_000, 0.0)
+    assert arrive(sched, "s2", "standard", 10, 0.1) == []
+    assert arrive(sched, "b", "batch", 10, 0.2) == []
+
+
+def test_flowprefill_does_not_preempt_when_the_newcomer_makes_its_slo_anyway():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)  # 1 s of prefill
+    # At 0.5 s the batch has ~0.5 s left; the critical needs 0.1 s: 0.6 s < its 1 s SLO.
+    assert arrive(sched, "c", "critical", 100, 0.5) == []
+    assert sched.handle(RequestDone("b", "w0"), 1.0) == [Assign("c", "w0")]
+
+
+def test_flowprefill_preempts_when_the_newcomer_would_miss_its_slo():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    assert arrive(sched, "c", "critical", 100, 1.0) == [Preempt("b", "w0", drop_state=False)]
+    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.005) == [Assign("c", "w0")]
+    assert sched.suspended() == {"w0": ("b",)}
+    assert sched.handle(RequestDone("c", "w0"), 1.2) == [Resume("b", "w0")]
+
+
+def test_progress_reports_update_the_estimate_without_deciding_anything():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 2000, 0.0)
+    # The worker is slower than predicted: at 1.9 s it reports only 100 tokens done, so
+    # ~1.9 s are left, not 0.1 s...
+    assert sched.handle(PrefillProgress("b", "w0", 100), 1.9) == []
+    assert sched.request("b").tokens_done == 100
+    # ...and a critical arriving now would miss by waiting: preempt.
+    assert arrive(sched, "c", "critical", 100, 1.9) == [Preempt("b", "w0", drop_state=False)]
+
+
+def test_flowprefill_does_not_preempt_for_a_request_that_misses_anyway():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    assert arrive(sched, "c", "critical", 2000, 1.0) == []  # needs 2 s, SLO 1 s
+
+
+def test_flowprefill_does_not_preempt_a_request_with_an_earlier_deadline():
+    sched = make("flowprefill")
+    arrive(sched, "c1", "critical", 800, 0.0)  # deadline 1.0, 0.8 s of work
+    assert arrive(sched, "c2", "critical", 500, 0.1) == []  # would miss, but c1 is more urgent
+
+
+def test_flowprefill_preempts_a_decoding_request_first():
+    sched = make("flowprefill", decode_s_per_token=0.05)
+    arrive(sched, "s", "standard", 100, 0.0, new_tokens=200)  # ~10 s of decode after prefill
+    assert sched.handle(PrefillFinished("s", "w0", 100, 0.1), 0.1) == []
+    assert sched.state_of("s") is RequestState.DECODING
+    assert arrive(sched, "c", "critical", 100, 0.2) == [Preempt("s", "w0", drop_state=False)]
+    # The engine acks at its next check; the first token was already out.
+    sched.handle(PreemptionAcked("s", "w0", 100, False), 0.21)
+    assert sched.handle(RequestDone("c", "w0"), 0.4) == [Resume("s", "w0")]
+    assert sched.state_of("s") is RequestState.DECODING
+
+
+def test_a_worker_being_preempted_is_not_preempted_again():
+    sched = make("chunked")
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    assert arrive(sched, "s", "standard", 100, 1.0) == [Preempt("b", "w0", drop_state=False)]
+    assert arrive(sched, "c", "critical", 100, 1.001) == []
+    # The freed worker goes to the best waiting request, the critical one.
+    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("c", "w0")]
+    assert sched.handle(RequestDone("c", "w0"), 1.2) == [Assign("s", "w0")]
+    assert sched.handle(RequestDone("s", "w0"), 1.3) == [Resume("b", "w0")]
+
+
+def test_preemption_bound_makes_a_request_run_to_completion():
+    sched = make("chunked", max_preemptions=1)
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    assert arrive(sched, "s1", "standard", 100, 1.0) == [Preempt("b", "w0", drop_state=False)]
+    sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)
+    assert sched.handle(RequestDone("s1", "w0"), 1.2) == [Resume("b", "w0")]
+    assert arrive(sched, "s2", "standard", 100, 1.3) == []  # b was preempted once already
+    assert sched.handle(RequestDone("b", "w0"), 10.0) == [Assign("s2", "w0")]
+
+
+def test_preempt_racing_with_the_end_of_the_request():
+    sched = make("chunked")
+    arrive(sched, "b", "batch", 1000, 0.0)
+    assert arrive(sched, "s", "standard", 100, 0.99) == [Preempt("b", "w0", drop_state=False)]
+    # The worker finished before it saw the flag: Done, and never an ack.
+    assert sched.handle(RequestDone("b", "w0"), 1.0) == [Assign("s", "w0")]
+    assert sched.state_of("b") is RequestState.DONE
+    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == []  # stale
+
+
+def test_suspended_states_per_worker_are_capped():
+    sched = make("chunked", max_suspended_per_worker=1)
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    arrive(sched, "s", "standard", 10_000, 1.0)
+    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("s", "w0")]
+    assert arrive(sched, "c", "critical", 100, 2.0) == []  # w0 already holds one state
+
+
+def test_aging_puts_a_starving_request_first_and_makes_it_unpreemptible():
+    sched = make("chunked", starvation_s=10.0)
+    arrive(sched, "c0", "critical", 12_000, 0.0)
+    arrive(sched, "b", "batch", 1000, 0.5)
+    arrive(sched, "c1", "critical", 100, 11.0)
+    # b has waited 11.5 s > 10 s: it goes before the critical request that waits too...
+    assert sched.handle(RequestDone("c0", "w0"), 12.0) == [Assign("b", "w0")]
+    # ...and a new critical request does not preempt it.
+    assert arrive(sched, "c2", "critical", 100, 12.1) == []
+    assert sched.handle(RequestDone("b", "w0"), 13.0) == [Assign("c1", "w0")]
+
+
+# ---------------------------------------------------------------------------- several workers
+
+
+def test_victim_is_the_lowest_tier_among_running_requests():
+    sched = make("chunked", workers=2)
+    assert arrive(sched, "s", "standard", 10_000, 0.0) == [Assign("s", "w0")]
+    assert arrive(sched, "b", "batch", 10_000, 0.0) == [Assign("b", "w1")]
+    assert arrive(sched, "c", "critical", 100, 1.0) == [Preempt("b", "w1", drop_state=False)]
+    # One preemption per waiting request: a second critical needs (and gets) its own.
+    assert arrive(sched, "c2", "critical", 100, 1.0) == [Preempt("s", "w0", drop_state=False)]
+
+
+def test_recompute_victim_is_the_one_with_least_work_to_lose():
+    sched = make("recompute", workers=2)
+    arrive(sched, "b1", "batch", 10_000, 0.0)
+    arrive(sched, "b2", "batch", 10_000, 0.0)
+    sched.handle(PrefillProgress("b1", "w0", 4000), 4.0)
+    sched.handle(PrefillProgress("b2", "w1", 500), 4.0)
+    assert arrive(sched, "c", "critical", 100, 4.0) == [Preempt("b2", "w1", drop_state=True)]
+
+
+def test_flowprefill_victim_is_the_one_that_does_not_lose_its_own_deadline():
+    sched = make("flowprefill", workers=2)
+    arrive(sched, "s", "standard", 4000, 0.0)  # deadline 5, needs 4 s: 1 s of slack
+    arrive(sched, "b", "batch", 50_000, 0.0)  # deadline 100: plenty of slack
+    assert arrive(sched, "c", "critical", 500, 0.5) == [Preempt("b", "w1", drop_state=False)]
+
+
+def test_flowprefill_waits_for_a_worker_that_frees_in_time():
+    sched = make("flowprefill", workers=2)
+    arrive(sched, "b1", "batch", 50_000, 0.0)
+    arrive(sched, "b2", "batch", 1000, 0.0)  # w1 frees at 1.0
+    assert arrive(sched, "c", "critical", 300, 0.8) == []  # starts at 1.0, done 1.3 < 1.8
+    assert sched.handle(RequestDone("b2", "w1"), 1.0) == [Assign("c", "w1")]
+
+
+def test_suspended_request_resumes_only_on_its_worker():
+    sched = make("chunked", workers=2)
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    arrive(sched, "s0", "standard", 10_000, 0.0)  # on w1
+    arrive(sched, "s", "standard", 100, 1.0)
+    sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)  # s runs on w0
+    assert sched.suspended() == {"w0": ("b",), "w1": ()}
+    # w1 frees first, but b's state is on w0: it is not resumed (nor restarted) on w1.
+    assert sched.handle(RequestDone("s0", "w1"), 2.0) == []
+    assert sched.handle(RequestDone("s", "w0"), 2.1) == [Resume("b", "w0")]
+
+
+# ---------------------------------------------------------------------------- overload
+
+
+def test_batch_is_shed_when_too_many_sheddable_requests_wait():
+    sched = make("priority", max_queued_sheddable=2)
+    arrive(sched, "c0", "critical", 10_000, 0.0)
+    assert arrive(sched, "b1", "batch", 100, 0.1) == []
+    assert arrive(sched, "b2", "batch", 100, 0.2) == []
+    (reject,) = arrive(sched, "b3", "batch", 100, 0.3)
+    assert isinstance(reject, Reject) and reject.request_id == "b3"
+    assert "overloaded" in reject.reason and "limit 2" in reject.reason
+    assert sched.state_of("b3") is RequestState.REJECTED
+    # Critical and standard are never shed.
+    for i in range(10):
+        assert arrive(sched, f"c{i + 1}", "critical", 100, 0.4) == []
+        assert arrive(sched, f"s{i}", "standard", 100, 0.4) == []
+    assert sched.queue_depth() == {"critical": 10, "standard": 10, "batch": 2}
+
+
+def test_batch_is_shed_when_the_predicted_wait_is_too_long():
+    sched = make("priority", max_predicted_wait_s=5.0)
+    arrive(sched, "c0", "critical", 4000, 0.0)
+    assert arrive(sched, "b1", "batch", 100, 0.0) == []
+    arrive(sched, "s1", "standard", 3000, 0.0)  # backlog now ~7 s on one worker
+    (reject,) = arrive(sched, "b2", "batch", 100, 0.0)
+    assert isinstance(reject, Reject) and "predicted wait" in reject.reason
+    assert arrive(sched, "c1", "critical", 5000, 0.0) == []
+
+
+def test_unknown_tier_and_invalid_requests_are_rejected_with_a_reason():
+    sched = make("fifo")
+    (reject,) = arrive(sched, "x", "gold", 10, 0.0)
+    assert reject == Reject("x", reject.reason)
+    assert "gold" in reject.reason and "critical" in reject.reason
+    (reject,) = arrive(sched, "y", "critical", 0, 0.0)
+    assert "prompt_tokens=0" in reject.reason
+
+
+# ---------------------------------------------------------------------------- cancel
+
+
+def test_cancel_queued_request_just_removes_it():
+    sched = make("fifo")
+    arrive(sched, "a", "standard", 1000, 0.0)
+    arrive(sched, "q", "standard", 1000, 0.1)
+    assert sched.handle(RequestCancelled("q"), 0.2) == []
+    assert sched.state_of("q") is RequestState.CANCELLED
+    assert sched.queue_depth()["standard"] == 0
+    assert sched.handle(RequestDone("a", "w0"), 1.0) == []
+
+
+def test_cancel_running_request_tells_its_worker_and_frees_it():
+    sched = make("fifo")
+    arrive(sched, "a", "standard", 1000, 0.0)
+    arrive(sched, "q", "standard", 1000, 0.1)
+    assert sched.handle(RequestCancelled("a"), 0.2) == [Cancel("a", "w0"), Assign("q", "w0")]
+    assert sched.handle(RequestDone("a", "w0"), 0.3) == []  # late event from the worker
+
+
+def test_cancel_suspended_request_tells_the_worker_holding_its_state():
+    sched = make("chunked", workers=2)
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    arrive(sched, "s0", "standard", 10_000, 0.0)
+    arrive(sched, "s", "standard", 100, 1.0)
+    sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)
+    assert sched.handle(RequestCancelled("b"), 1.1) == [Cancel("b", "w0")]
+    assert sched.suspended() == {"w0": (), "w1": ()}
+    assert sched.handle(RequestCancelled("b"), 1.2) == []  # twice: no-op
+
+
+def test_cancel_while_preempting_frees_the_worker_for_the_waiting_request():
+    sched = make("chunked")
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    arrive(sched, "s", "standard", 100, 1.0)
+    assert sched.handle(RequestCancelled("b"), 1.001) == [Cancel("b", "w0"), Assign("s", "w0")]
+    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == []
+
+
+# ---------------------------------------------------------------------------- workers, idempotency
+
+
+def test_worker_left_requeues_its_running_and_suspended_requests_from_scratch():
+    sched = make("chunked", workers=2)
+    arrive(sched, "b", "batch", 10_000, 0.0)  # w0
+    arrive(sched, "s0", "standard", 10_000, 0.0)  # w1
+    arrive(sched, "s", "standard", 5000, 1.0)
+    sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)  # s on w0, b suspended on w0
+    assert sched.handle(WorkerLeft("w0"), 2.0) == []  # w1 busy: both wait
+    for rid in ("s", "b"):
+        assert sched.state_of(rid) is RequestState.QUEUED
+        assert sched.request(rid).tokens_done == 0
+    assert sched.handle(RequestDone("s0", "w1"), 3.0) == [Assign("s", "w1")]
+    assert sched.handle(RequestDone("s", "w1"), 4.0) == [Assign("b", "w1")]  # not Resume
+    assert sched.handle(RequestDone("s", "w0"), 4.1) == []  # the gone worker's late event
+
+
+def test_worker_joined_takes_queued_work_and_duplicates_are_ignored():
+    sched = make("fifo", workers=0)
+    arrive(sched, "a", "standard", 100, 0.0)
+    assert sched.handle(WorkerJoined("w0"), 1.0) == [Assign("a", "w0")]
+    assert sched.handle(WorkerJoined("w0"), 1.1) == []
+    assert sched.running() == {"w0": "a"}
+
+
+def test_duplicate_arrival_is_ignored():
+    sched = make("fifo")
+    assert arrive(sched, "a", "standard", 100, 0.0) == [Assign("a", "w0")]
+    assert arrive(sched, "a", "critical", 5, 0.1) == []
+    assert sched.request("a").tier.name == "standard"
+    sched.handle(RequestDone("a", "w0"), 1.0)
+    assert arrive(sched, "a", "standard", 100, 2.0) == []  # redelivered after completion
+    assert sched.counters["duplicate_arrivals"] == 2
+
+
+def test_prefill_finished_refits_the_predictor():
+    sched = Scheduler(
+        "fifo", TIERS, PrefillTimePredictor(a=1e-3, b=0.0, c=0.0, min_samples=1), SchedulerConfig()
+    )
+    sched.handle(WorkerJoined("w0"), 0.0)
+    arrive(sched, "a", "standard", 1000, 0.0)
+    sched.handle(PrefillFinished("a", "w0", 1000, 4.0), 4.0)  # 4x slower than predicted
+    assert sched.predictor.predict(1000) == pytest.approx(4.0)
+
+
+def test_introspection_returns_copies():
+    sched = make("fifo")
+    arrive(sched, "a", "standard", 100, 0.0)
+    copy = sched.request("a")
+    copy.tokens_done = 99
+    assert sched.request("a").tokens_done == 0
+    assert sched.request("nope") is None and sched.state_of("nope") is None
+
+
+def test_unknown_event_type_is_an_error():
+    with pytest.raises(TypeError, match="not a scheduler event"):
+        make("fifo").handle(object(), 0.0)

@@ -1,0 +1,90 @@
+"""The prefill-time predictor: fit, non-negativity, online window, JSON round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from queue_service.scheduler import PrefillSample, PrefillTimePredictor
+
+
+def synthetic(a: float, b: float, c: float, n: int = 60, noise: float = 0.0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        L = int(rng.integers(64, 8192))
+        d = int(rng.integers(0, L)) if rng.random() < 0.5 else 0
+        t = a * (L - d) + b * (L * L - d * d) + c
+        samples.append(PrefillSample(L, d, max(0.0, t * (1 + noise * rng.standard_normal()))))
+    return samples
+
+
+def test_fit_recovers_known_coefficients():
+    true = (1.2e-3, 8e-8, 0.03)
+    predictor = PrefillTimePredictor().fit(synthetic(*true))
+    assert predictor.coefficients == pytest.approx(true, rel=1e-6)
+    L, d = 4096, 1024
+    expected = true[0] * (L - d) + true[1] * (L * L - d * d) + true[2]
+    assert predictor.predict(L, d) == pytest.approx(expected, rel=1e-6)
+
+
+def test_fit_with_noise_is_close():
+    true = (1.2e-3, 8e-8, 0.03)
+    predictor = PrefillTimePredictor().fit(synthetic(*true, n=200, noise=0.02))
+    assert predictor.predict(4096) == pytest.approx(
+        PrefillTimePredictor(*true).predict(4096), rel=0.02
+    )
+
+
+def test_coefficients_are_clamped_non_negative():
+    # Data whose unconstrained fit has a negative quadratic term.
+    samples = [PrefillSample(L, 0, 1e-3 * L - 5e-8 * L * L + 0.01) for L in range(256, 8192, 256)]
+    predictor = PrefillTimePredictor().fit(samples)
+    assert all(c >= 0 for c in predictor.coefficients)
+    assert predictor.coefficients[1] == 0.0
+    assert predictor.predict(100) >= 0
+
+
+def test_nothing_left_costs_nothing():
+    predictor = PrefillTimePredictor(1e-3, 1e-7, 0.5)
+    assert predictor.predict(100, 100) == 0.0
+    assert predictor.predict(100, 0) > predictor.predict(100, 50) > 0
+
+
+def test_observe_keeps_a_bounded_window_and_refits_after_min_samples():
+    predictor = PrefillTimePredictor(1e-3, 0.0, 0.0, window=10, min_samples=5)
+    slow = synthetic(4e-3, 0.0, 0.0, n=30)
+    for sample in slow[:4]:
+        predictor.observe(sample)
+    assert predictor.coefficients == (1e-3, 0.0, 0.0)  # not enough samples yet
+    for sample in slow[4:]:
+        predictor.observe(sample)
+    assert len(predictor.samples) == 10
+    assert predictor.samples == tuple(slow[-10:])
+    assert predictor.coefficients[0] == pytest.approx(4e-3, rel=1e-6)
+
+
+def test_json_round_trip(tmp_path):
+    predictor = PrefillTimePredictor(window=50, min_samples=3).fit(synthetic(1e-3, 1e-7, 0.02))
+    again = PrefillTimePredictor.from_json(predictor.to_json())
+    assert again.coefficients == predictor.coefficients
+    assert again.samples == predictor.samples[-50:]
+    assert (again.window, again.min_samples) == (50, 3)
+    path = tmp_path / "sub" / "predictor.json"
+    predictor.save(path)
+    loaded = PrefillTimePredictor.load(path)
+    assert loaded.coefficients == predictor.coefficients
+    assert loaded.predict(3000, 100) == predictor.predict(3000, 100)
+
+
+def test_invalid_inputs_are_rejected():
+    with pytest.raises(ValueError, match="format"):
+        PrefillTimePredictor.from_json('{"a": 1}')
+    with pytest.raises(ValueError, match="version"):
+        PrefillTimePredictor.from_json('{"format": "tierflow.prefill_predictor", "version": 99}')
+    with pytest.raises(ValueError, match="no samples"):
+        PrefillTimePredictor().fit([])
+    with pytest.raises(ValueError):
+        PrefillTimePredictor(a=-1.0)
+    with pytest.raises(ValueError):
+        PrefillSample(100, 100, 1.0)
