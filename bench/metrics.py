@@ -1,0 +1,69 @@
+"""Turning a run's request records into the numbers the policy benchmark reports."""
+
+from __future__ import annotations
+
+from bench.harness import RunResult
+from tierflow.tiers import TierTable
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile; NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarise(result: RunResult, tiers: TierTable) -> dict:
+    """The per-policy block of the benchmark JSON (see README, "Policy benchmark")."""
+    per_tier: dict[str, dict] = {}
+    records = list(result.records.values())
+    for tier in tiers:
+        mine = [r for r in records if r.arrival.tier == tier.name]
+        if not mine:
+            continue
+        accepted = [r for r in mine if r.rejected is None]
+        ttfts = [r.ttft_s * 1000 for r in accepted if r.ttft_s is not None]
+        slo_ms = tier.ttft_slo_s * 1000
+        met = sum(t <= slo_ms for t in ttfts)
+        per_tier[tier.name] = {
+            "n": len(mine),
+            "completed": sum(r.done_at is not None and r.failed is None for r in accepted),
+            "rejected": len(mine) - len(accepted),
+            "failed": sum(r.failed is not None for r in accepted),
+            "slo_ms": slo_ms,
+            # Over accepted requests: a rejected batch request has no TTFT to judge.
+            "slo_attainment": met / len(accepted) if accepted else float("nan"),
+            "slo_violations": len(accepted) - met,
+            "ttft_ms": {
+                q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))
+            },
+            "preemptions": sum(r.preemptions for r in mine),
+            "ttft_samples_ms": sorted(ttfts),
+        }
+    completed = [r for r in records if r.done_at is not None and r.failed is None]
+    tokens = sum(r.arrival.prompt_tokens for r in completed)
+    latencies = [s * 1000 for s in result.preemption_latencies_s]
+    return {
+        "throughput_tok_s": tokens / result.busy_s if result.busy_s else 0.0,
+        "busy_fraction": result.busy_s / result.makespan_s if result.makespan_s else 0.0,
+        "makespan_s": result.makespan_s,
+        "preemptions": sum(r.preemptions for r in records),
+        "recomputes": sum(r.recomputes for r in records),
+        "preemption_latency_ms": {
+            "p50": percentile(latencies, 50),
+            "p99": percentile(latencies, 99),
+        },
+        "lost": sum(r.done_at is None and r.rejected is None for r in records),
+        "tiers": per_tier,
+    }
+
+
+def meets_slos(summary: dict, attainment: float = 0.9) -> bool:
+    """Goodput criterion: every tier meets its SLO for at least ``attainment`` of requests."""
+    return all(
+        t["slo_attainment"] >= attainment and t["failed"] == 0 for t in summary["tiers"].values()
+    )

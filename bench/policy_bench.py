@@ -1,0 +1,198 @@
+"""`tierflow bench`: every scheduling policy on the same engine and the same arrivals, one run.
+
+Steps: load the model; fit the prefill predictor on it (or load ``--predictor``); measure each
+tier's isolated TTFT (its median prompt alone on an idle engine); then replay the workload once
+per policy, each policy with the engine configured as it needs (``engine_for_policy``). Prints a
+table per policy and tier, writes JSON and a PNG of TTFT CDFs. ``--sweep-rate`` then finds each
+policy's goodput: the highest arrival rate at which every tier meets its SLO for at least 90% of
+its requests.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+
+from bench.calibrate import calibrate
+from bench.harness import run_policy
+from bench.metrics import meets_slos, summarise
+from bench.report import plot_sweep, plot_ttft_cdfs, render_comparison, render_policy_tables
+from bench.traces import TraceOptions, load_trace_workload
+from bench.workload import Workload, prompt_ids, synthetic
+from queue_service.scheduler import (
+    POLICIES,
+    PrefillTimePredictor,
+    Scheduler,
+    SchedulerConfig,
+    make_policy,
+)
+from tierflow.tiers import TierTable, load_tiers
+from worker.engine import EngineConfig, PrefillEngine, RunStatus
+from worker.preemption import PreemptionChannel
+from worker.request import GenerationRequest
+
+
+@dataclass(frozen=True)
+class PolicyBenchConfig:
+    model: str = "bench-llama"
+    device: str | None = None
+    policies: tuple[str, ...] = tuple(POLICIES)
+    chunk_size: int = 2048  # engine chunk of every policy but chunked
+    chunked_chunk_size: int = 512  # C of the chunked baseline
+    workers: int = 1
+    duration_s: float = 60.0
+    seed: int = 0
+    trace: Path | None = None
+    trace_options: TraceOptions = field(default_factory=TraceOptions)
+    tiers_file: Path | None = None
+    predictor_file: Path | None = None
+    sweep_factors: tuple[float, ...] = ()
+    sweep_duration_s: float = 30.0
+
+    @classmethod
+    def quick(cls, **overrides) -> PolicyBenchConfig:
+        return cls(**{"duration_s": 15.0, "sweep_duration_s": 10.0, **overrides})
+
+
+def engine_for_policy(policy_name: str, cfg: PolicyBenchConfig) -> EngineConfig:
+    policy = make_policy(policy_name)
+    chunk = cfg.chunked_chunk_size if policy.engine_check == "chunk" else cfg.chunk_size
+    return EngineConfig(chunk_size=chunk, check=policy.engine_check)
+
+
+def build_workload(cfg: PolicyBenchConfig) -> Workload:
+    if cfg.trace is not None:
+        return load_trace_workload(cfg.trace, cfg.trace_options)
+    return synthetic(duration_s=cfg.duration_s, seed=cfg.seed)
+
+
+def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBenchConfig) -> dict:
+    """Each tier's median-length prompt alone on an idle engine (median of 3 runs)."""
+    engine = PrefillEngine(model, EngineConfig(chunk_size=cfg.chunk_size, check="layer"))
+    result = {}
+    for tier in tiers:
+        mine = sorted(
+            (a for a in workload.arrivals if a.tier == tier.name), key=lambda a: a.prompt_tokens
+        )
+        if not mine:
+            continue
+        median = mine[len(mine) // 2]
+        ids = prompt_ids(median, model.config.vocab_size)
+        times = []
+        for _ in range(3):
+            task = engine.new_task(GenerationRequest("iso", ids))
+            start = time.perf_counter()
+            assert engine.run(task, PreemptionChannel()).status is RunStatus.FINISHED
+            times.append((time.perf_counter() - start) * 1000)
+        result[tier.name] = statistics.median(times)
+    return result
+
+
+def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, label) -> dict:
+    summaries = {}
+    for name in cfg.policies:
+        bar = progress.add_task(f"{label}{name}", total=len(workload.arrivals))
+        engines = [PrefillEngine(model, engine_for_policy(name, cfg)) for _ in range(cfg.workers)]
+        scheduler = Scheduler(
+            make_policy(name),
+            tiers,
+            PrefillTimePredictor.from_json(predictor_json),  # same start for every policy
+            SchedulerConfig(),
+        )
+        result = run_policy(
+            scheduler,
+            engines,
+            workload,
+            vocab_size=model.config.vocab_size,
+            on_progress=lambda b=bar: progress.advance(b),
+        )
+        progress.update(bar, completed=len(workload.arrivals))
+        summaries[name] = summarise(result, tiers)
+        summaries[name]["engine"] = {
+            "chunk_size": engines[0].config.chunk_size,
+            "check": engines[0].config.check,
+        }
+    return summaries
+
+
+def run_policy_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
+    from worker.models import load_model
+
+    loaded = load_model(cfg.model, device=cfg.device)
+    model = loaded.model
+    tiers = load_tiers(cfg.tiers_file)
+    workload = build_workload(cfg)
+    if not workload.arrivals:
+        raise ValueError(f"workload {workload.name!r} has no arrivals")
+    with Progress(console=console) as progress:
+        if cfg.predictor_file is not None:
+            predictor = PrefillTimePredictor.load(cfg.predictor_file)
+        else:
+            cal = progress.add_task("calibrating the prefill predictor", total=14)
+            engine = PrefillEngine(model, EngineConfig(chunk_size=cfg.chunk_size))
+            predictor = calibrate(engine, on_sample=lambda: progress.advance(cal))
+        isolated = isolated_ttft_ms(model, workload, tiers, cfg)
+        summaries = run_all_policies(
+            model, workload, tiers, predictor.to_json(), cfg, progress, label=""
+        )
+        sweep = {}
+        for factor in cfg.sweep_factors:
+            scaled = replace(cfg, duration_s=cfg.sweep_duration_s)
+            base = build_workload(scaled)
+            sweep[factor] = run_all_policies(
+                model,
+                base.scaled_rate(factor),
+                tiers,
+                predictor.to_json(),
+                cfg,
+                progress,
+                label=f"rate x{factor:g} ",
+            )
+    result = {
+        "model": loaded.name,
+        "device": str(model.device),
+        "workload": workload.name,
+        "requests": len(workload.arrivals),
+        "arrival_rate_per_s": len(workload.arrivals) / max(workload.duration_s, 1e-9),
+        "predictor": dict(zip("abc", predictor.coefficients, strict=True)),
+        "policies": summaries,
+        "isolated_ttft_ms": isolated,
+    }
+    if sweep:
+        base_rate = result["arrival_rate_per_s"]
+        result["sweep"] = {
+            str(f): {
+                p: {"meets_slos": meets_slos(s), "tiers": s["tiers"]} for p, s in per_policy.items()
+            }
+            for f, per_policy in sweep.items()
+        }
+        result["goodput_req_s"] = {
+            p: max((f * base_rate for f, per in sweep.items() if meets_slos(per[p])), default=0.0)
+            for p in cfg.policies
+        }
+    return result
+
+
+def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
+    console = Console()
+    result = run_policy_bench(cfg, console)
+    render_policy_tables(result, console)
+    render_comparison(result, console)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {json_path}")
+    if png_path:
+        plot_ttft_cdfs(result, png_path)
+        console.print(f"wrote {png_path}")
+        if "sweep" in result:
+            sweep_png = png_path.with_name(png_path.stem + "_sweep.png")
+            plot_sweep(result, sweep_png)
+            console.print(f"wrote {sweep_png}")
+    return result

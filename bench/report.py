@@ -1,0 +1,190 @@
+"""Tables and pictures of the policy benchmark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+POLICY_COLOURS = {
+    "fifo": "tab:gray",
+    "priority": "tab:blue",
+    "chunked": "tab:orange",
+    "recompute": "tab:red",
+    "flowprefill": "tab:green",
+}
+
+
+def render_policy_tables(result: dict, console: Console) -> None:
+    table = Table(
+        title=f"tierflow bench: {result['model']} on {result['device']}, {result['workload']}, "
+        f"{result['requests']} requests"
+    )
+    for col in (
+        "policy",
+        "tier",
+        "n",
+        "done",
+        "rej",
+        "SLO ms",
+        "SLO met",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "isolated ms",
+    ):
+        table.add_column(col, justify="right" if col not in ("policy", "tier") else "left")
+    for name, summary in result["policies"].items():
+        for i, (tier, t) in enumerate(summary["tiers"].items()):
+            q = t["ttft_ms"]
+            table.add_row(
+                name if i == 0 else "",
+                tier,
+                str(t["n"]),
+                str(t["completed"]),
+                str(t["rejected"]),
+                f"{t['slo_ms']:.0f}",
+                f"{t['slo_attainment'] * 100:.1f}%",
+                f"{q['p50']:.0f}",
+                f"{q['p90']:.0f}",
+                f"{q['p99']:.0f}",
+                f"{result['isolated_ttft_ms'].get(tier, float('nan')):.0f}",
+            )
+        table.add_section()
+    console.print(table)
+
+    totals = Table(title="per policy")
+    for col in (
+        "policy",
+        "engine",
+        "throughput tok/s",
+        "busy",
+        "preemptions",
+        "recomputes",
+        "preempt latency p50/p99 ms",
+        "lost",
+    ):
+        totals.add_column(col, justify="right" if col not in ("policy", "engine") else "left")
+    for name, s in result["policies"].items():
+        lat = s["preemption_latency_ms"]
+        totals.add_row(
+            name,
+            f"C={s['engine']['chunk_size']}, check={s['engine']['check']}",
+            f"{s['throughput_tok_s']:.0f}",
+            f"{s['busy_fraction'] * 100:.0f}%",
+            str(s["preemptions"]),
+            str(s["recomputes"]),
+            f"{lat['p50']:.1f} / {lat['p99']:.1f}",
+            str(s["lost"]),
+        )
+    console.print(totals)
+    if "goodput_req_s" in result:
+        good = Table(title="goodput: highest rate with every tier >= 90% within SLO")
+        good.add_column("policy")
+        good.add_column("req/s", justify="right")
+        for name, rate in result["goodput_req_s"].items():
+            good.add_row(name, f"{rate:.3f}")
+        console.print(good)
+
+
+def comparison_lines(result: dict) -> list[str]:
+    """The issue's targets as ratios measured in this run (printed, never asserted here)."""
+    p = result["policies"]
+    lines = []
+    if "flowprefill" not in p:
+        return lines
+    fp = p["flowprefill"]
+    crit = fp["tiers"].get("critical")
+    if crit:
+        lines.append(f"flowprefill critical SLO attainment: {crit['slo_attainment'] * 100:.1f}%")
+        iso = result["isolated_ttft_ms"].get("critical")
+        if iso is not None:
+            lines.append(
+                f"flowprefill critical TTFT p99 {crit['ttft_ms']['p99']:.0f} ms vs isolated "
+                f"{iso:.0f} ms (+{crit['ttft_ms']['p99'] - iso:.0f} ms)"
+            )
+        for base in ("fifo", "chunked", "recompute", "priority"):
+            if base in p and "critical" in p[base]["tiers"]:
+                theirs = p[base]["tiers"]["critical"]["slo_violations"]
+                fewer = 1 - crit["slo_violations"] / theirs if theirs else float("nan")
+                lines.append(
+                    f"critical SLO violations: flowprefill {crit['slo_violations']} vs {base} "
+                    f"{theirs} ({fewer * 100:.0f}% fewer)"
+                )
+    if "priority" in p and p["priority"]["throughput_tok_s"]:
+        ratio = fp["throughput_tok_s"] / p["priority"]["throughput_tok_s"]
+        lines.append(f"throughput flowprefill / priority: {ratio:.3f}x")
+    lines.append(f"requests lost under flowprefill: {fp['lost']}")
+    if "goodput_req_s" in result:
+        g = result["goodput_req_s"]
+        best = max((v for k, v in g.items() if k != "flowprefill"), default=0.0)
+        ratio = g.get("flowprefill", 0.0) / best if best else float("inf")
+        lines.append(f"goodput flowprefill / best baseline: {ratio:.2f}x")
+    return lines
+
+
+def render_comparison(result: dict, console: Console) -> None:
+    for line in comparison_lines(result):
+        console.print(line)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft_cdfs(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    tiers = list(next(iter(result["policies"].values()))["tiers"])
+    fig, axes = plt.subplots(1, len(tiers), figsize=(5 * len(tiers), 4), squeeze=False)
+    for ax, tier in zip(axes[0], tiers, strict=True):
+        for name, summary in result["policies"].items():
+            samples = summary["tiers"][tier]["ttft_samples_ms"]
+            if not samples:
+                continue
+            ys = [(i + 1) / len(samples) for i in range(len(samples))]
+            ax.step(samples, ys, where="post", label=name, color=POLICY_COLOURS.get(name))
+        slo = next(iter(result["policies"].values()))["tiers"][tier]["slo_ms"]
+        ax.axvline(slo, color="black", linestyle="--", linewidth=1, label="SLO")
+        ax.set_xscale("log")
+        ax.set_title(f"{tier}: TTFT CDF")
+        ax.set_xlabel("TTFT (ms, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{result['model']} on {result['device']}: {result['workload']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    factors = sorted(result["sweep"], key=float)
+    base = result["arrival_rate_per_s"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in result["policies"]:
+        worst = [
+            min(t["slo_attainment"] for t in result["sweep"][f][name]["tiers"].values())
+            for f in factors
+        ]
+        ax.plot(
+            [float(f) * base for f in factors],
+            worst,
+            marker="o",
+            label=name,
+            color=POLICY_COLOURS.get(name),
+        )
+    ax.axhline(0.9, color="black", linestyle="--", linewidth=1, label="90% target")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("worst tier's SLO attainment")
+    ax.set_title("goodput sweep")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
