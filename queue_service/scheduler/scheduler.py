@@ -50,8 +50,10 @@ from tierflow.tiers import TierTable
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # Anti-thrash: after this many preemptions a request runs to completion.
-    max_preemptions: int = 3
+    # Anti-thrash: after this many preemptions a request runs to completion. Layer-boundary
+    # preemption keeps the state, so a preemption costs a batch request little; 8 lets a long
+    # document yield to every critical query that arrives during it in all but rare bursts.
+    max_preemptions: int = 8
     # No starvation: waited this long since arrival -> first in line and never preempted. Above
     # the largest TTFT SLO so that it only overrides the policy for work already late.
     starvation_s: float = 300.0
