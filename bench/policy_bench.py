@@ -127,7 +127,8 @@ def run_policy_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
     loaded = load_model(cfg.model, device=cfg.device)
     model = loaded.model
     tiers = load_tiers(cfg.tiers_file)
-    workload = build_workload(cfg)
+    context = model.config.max_position_embeddings
+    workload = build_workload(cfg).clip_prompts(context)
     if not workload.arrivals:
         raise ValueError(f"workload {workload.name!r} has no arrivals")
     with Progress(console=console) as progress:
@@ -144,7 +145,7 @@ def run_policy_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
         sweep = {}
         for factor in cfg.sweep_factors:
             scaled = replace(cfg, duration_s=cfg.sweep_duration_s)
-            base = build_workload(scaled)
+            base = build_workload(scaled).clip_prompts(context)
             sweep[factor] = run_all_policies(
                 model,
                 base.scaled_rate(factor),

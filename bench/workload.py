@@ -35,6 +35,14 @@ class Workload:
         arrivals = tuple(replace(a, at_s=a.at_s / factor) for a in self.arrivals)
         return Workload(f"{self.name} x{factor:g}", arrivals)
 
+    def clip_prompts(self, max_tokens: int) -> Workload:
+        """Prompts no longer than ``max_tokens`` (a model's context minus its new tokens)."""
+        arrivals = tuple(
+            replace(a, prompt_tokens=min(a.prompt_tokens, max_tokens - a.max_new_tokens))
+            for a in self.arrivals
+        )
+        return Workload(self.name, arrivals)
+
     def tiers(self) -> list[str]:
         return sorted({a.tier for a in self.arrivals})
 

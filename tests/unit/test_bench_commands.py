@@ -1,0 +1,72 @@
+"""The benchmark commands run end to end on the tiny model and write what they promise.
+
+These check behaviour and the JSON contract, not speed: speed is what the commands report.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tierflow.cli import main
+
+
+def test_engine_bench_writes_json_and_png(tmp_path):
+    out = tmp_path / "engine.json"
+    png = tmp_path / "engine.png"
+    args = [
+        "engine-bench",
+        "--model",
+        "tiny-llama",
+        "--quick",
+        "--prompt-tokens",
+        "512",
+        "--chunk-size",
+        "128",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny-llama" and result["layers"] == 4
+    assert 0 < result["layer_time_ms"]["mean"] <= result["layer_time_ms"]["max"]
+    assert set(result["chunk_cost"]) == {"256", "1024"}
+    assert result["check_overhead_pct"] >= 0
+    for check in ("layer", "chunk"):
+        lat = result["preemption_latency_ms"][check]
+        assert lat["n"] == 8 and 0 < lat["p50"] <= lat["p99"]
+    assert png.stat().st_size > 10_000
+
+
+def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    args = [
+        "bench",
+        "--model",
+        "tiny-llama",
+        "--quick",
+        "--duration",
+        "4",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    ]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
+    ns = set()
+    for name, p in result["policies"].items():
+        assert p["lost"] == 0, name
+        assert p["throughput_tok_s"] > 0
+        assert set(p["preemption_latency_ms"]) == {"p50", "p99"}
+        for tier, t in p["tiers"].items():
+            assert t["completed"] + t["rejected"] == t["n"], (name, tier)
+            assert 0 <= t["slo_attainment"] <= 1
+            assert set(t["ttft_ms"]) == {"p50", "p90", "p99"}
+        ns.add(tuple(sorted((tier, t["n"]) for tier, t in p["tiers"].items())))
+    assert len(ns) == 1  # every policy saw the same requests
+    assert set(result["isolated_ttft_ms"]) <= {"critical", "standard", "batch"}
+    assert png.stat().st_size > 10_000
