@@ -5,21 +5,31 @@ VENV := $(shell bash scripts/bootstrap.sh)
 PY := $(VENV)/bin/python
 OUT ?= out
 
-.PHONY: setup demo test lint format engine-bench
+.PHONY: setup demo test lint format protos engine-bench bench
 
 setup:
 	@echo "environment: $(VENV)"
 
-# Main job: for now the engine benchmark on the benchmark-sized model (table, JSON and PNG).
-demo: engine-bench
+# Main job (until the service stack lands): what layer-boundary preemption costs and buys on
+# the engine, then every scheduling policy on one mixed-tier workload. Tables, JSON and PNGs.
+demo: engine-bench bench
 
 engine-bench:
 	@mkdir -p $(OUT)
 	$(VENV)/bin/tierflow engine-bench --json $(OUT)/engine_bench.json --plot $(OUT)/engine_bench.png $(ARGS)
 
+bench:
+	@mkdir -p $(OUT)
+	$(VENV)/bin/tierflow bench --json $(OUT)/bench.json --plot $(OUT)/bench.png $(ARGS)
+
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m tierflow.protogen --check
+
+# Regenerate tierflow/v1/ from protos/ (CI fails when they are stale).
+protos:
+	$(PY) -m tierflow.protogen
 
 format:
 	$(VENV)/bin/ruff format .

@@ -1,0 +1,48 @@
+from tierflow.v1 import serving_pb2 as _serving_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class QueuedRequest(_message.Message):
+    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tier: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: _serving_pb2.SamplingParams
+    stop_at_eos: bool
+    arrival_unix_ms: int
+    deadline_unix_ms: int
+    reply_to: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ...) -> None: ...
+
+class ReplyRecord(_message.Message):
+    __slots__ = ("request_id", "event", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    event: _serving_pb2.GenerateEvent
+    error: ReplyError
+    def __init__(self, request_id: _Optional[str] = ..., event: _Optional[_Union[_serving_pb2.GenerateEvent, _Mapping]] = ..., error: _Optional[_Union[ReplyError, _Mapping]] = ...) -> None: ...
+
+class ReplyError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
