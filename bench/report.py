@@ -138,6 +138,12 @@ def _pyplot():
     return plt
 
 
+def _null_formatter():
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()
+
+
 def plot_ttft_cdfs(result: dict, path: Path) -> None:
     plt = _pyplot()
     tiers = list(next(iter(result["policies"].values()))["tiers"])
@@ -152,6 +158,7 @@ def plot_ttft_cdfs(result: dict, path: Path) -> None:
         slo = next(iter(result["policies"].values()))["tiers"][tier]["slo_ms"]
         ax.axvline(slo, color="black", linestyle="--", linewidth=1, label="SLO")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(_null_formatter())
         ax.set_title(f"{tier}: TTFT CDF")
         ax.set_xlabel("TTFT (ms, log)")
         ax.set_ylabel("fraction of requests")
