@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import structlog
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GgufConfig,
@@ -238,6 +239,36 @@ def load_model(
     return LoadedModel(
         name=name_or_path, model=model, tokenizer=tokenizer, device=target, dtype=dtype
     )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a service that does not run the model needs of it: tokenizer and limits."""
+
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    max_positions: int
+
+
+def load_model_info(name_or_path: str) -> ModelInfo:
+    """The tokenizer, vocabulary size and context length, without loading the weights."""
+    preset = PRESETS.get(name_or_path)
+    if isinstance(preset, RandomPreset):
+        tokenizer = load_builtin_tokenizer()
+        config = preset.build_config(tokenizer)
+    else:
+        source = (
+            str(ensure_converted(preset))
+            if isinstance(preset, GgufPreset)
+            else str(Path(name_or_path).expanduser())
+        )
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=_hub_offline())
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=_hub_offline())
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load {name_or_path!r}: {_first_line(exc)}") from exc
+    return ModelInfo(name_or_path, tokenizer, config.vocab_size, config.max_position_embeddings)
 
 
 def build_random_model(

@@ -1,0 +1,128 @@
+"""Admission: turning a client's GenerateRequest into a request the system can queue, or a
+precise gRPC status saying why not. Nothing here touches Kafka or the scheduler.
+
+The tier never comes from the request body: it is the ``x-tierflow-tier`` metadata that the
+edge (Envoy + the gateway's ext_authz) sets after checking the API key, overwriting whatever the
+client sent. Without the edge (tests, a trusted network) the service trusts that header as is.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from tierflow.tiers import TierTable
+from tierflow.v1 import serving_pb2
+
+TIER_HEADER = "x-tierflow-tier"
+MAX_REQUEST_ID_LEN = 128
+
+
+class AdmissionError(Exception):
+    """A request refused before it is queued; carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_prompt_tokens: int  # the served model's context minus room for one new token
+    max_new_tokens: int = 4096
+    max_timeout_ms: int = 3_600_000
+
+
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    tier: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    timeout_ms: int  # 0: none
+
+
+def tier_from_metadata(metadata: tuple[tuple[str, str | bytes], ...], tiers: TierTable) -> str:
+    values = [v for k, v in metadata if k.lower() == TIER_HEADER]
+    if not values:
+        raise AdmissionError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"no {TIER_HEADER} header: requests must come through the edge with an API key",
+        )
+    if len(values) > 1:
+        raise AdmissionError(grpc.StatusCode.INVALID_ARGUMENT, f"{TIER_HEADER} given twice")
+    tier = values[0].decode() if isinstance(values[0], bytes) else values[0]
+    if tier not in tiers:
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"unknown tier {tier!r}; known tiers: {', '.join(tiers.names)}",
+        )
+    return tier
+
+
+def admit(
+    request: serving_pb2.GenerateRequest,
+    tier: str,
+    limits: AdmissionLimits,
+    tokenize,
+    vocab_size: int,
+) -> Admitted:
+    """Validate and tokenise. ``tokenize(text) -> list[int]`` is the served model's tokenizer."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        if not request.text.strip():
+            raise AdmissionError(invalid, "prompt is empty")
+        prompt_ids = tuple(tokenize(request.text))
+    elif which == "token_ids":
+        prompt_ids = tuple(request.token_ids.ids)
+        bad = [i for i in prompt_ids if i >= vocab_size]
+        if bad:
+            raise AdmissionError(invalid, f"token id {bad[0]} is outside the vocabulary")
+    else:
+        prompt_ids = ()
+    if not prompt_ids:
+        raise AdmissionError(invalid, "prompt is empty")
+    max_new = request.max_new_tokens or 1
+    if max_new > limits.max_new_tokens:
+        raise AdmissionError(
+            invalid, f"max_new_tokens {max_new} is above the limit of {limits.max_new_tokens}"
+        )
+    if len(prompt_ids) + max_new > limits.max_prompt_tokens + 1:
+        raise AdmissionError(
+            invalid,
+            f"prompt of {len(prompt_ids)} tokens + {max_new} new tokens exceeds the model's "
+            f"context of {limits.max_prompt_tokens + 1} tokens",
+        )
+    sampling = request.sampling
+    temperature, top_p = sampling.temperature, sampling.top_p or 1.0
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 100.0):
+        raise AdmissionError(invalid, f"temperature must be in [0, 100], got {temperature}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise AdmissionError(invalid, f"top_p must be in (0, 1], got {top_p}")
+    if request.timeout_ms > limits.max_timeout_ms:
+        raise AdmissionError(
+            invalid, f"timeout_ms {request.timeout_ms} is above {limits.max_timeout_ms}"
+        )
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        raise AdmissionError(
+            invalid, f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters"
+        )
+    return Admitted(
+        request_id=request_id,
+        tier=tier,
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        seed=sampling.seed,
+        timeout_ms=request.timeout_ms,
+    )

@@ -1,0 +1,166 @@
+"""The client API servicer (``tierflow.v1.Tierflow``): admission, Kafka, then the event stream.
+
+Generate: read the tier from the edge's header, validate and tokenise, register the client's
+stream, write the request to its tier's Kafka topic and wait for the broker's acknowledgement,
+then answer ``Queued`` and relay the request's events until ``Done`` or an error status. The
+request reaches the scheduler when the priority consumer reads it back from Kafka, so what the
+client was told is queued is durable. A client that cancels, disconnects or runs out of time
+cancels its request: a running prefill stops at the next layer boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import structlog
+
+from queue_service.admission import AdmissionError, AdmissionLimits, admit, tier_from_metadata
+from queue_service.core import ClientError, ServiceCore
+from queue_service.live import Outcome
+from tierflow.tiers import TierTable
+from tierflow.v1 import queue_pb2, serving_pb2, serving_pb2_grpc
+
+log = structlog.get_logger("queue_service.client_api")
+
+
+class ClientApi(serving_pb2_grpc.TierflowServicer):
+    def __init__(
+        self,
+        core: ServiceCore,
+        tiers: TierTable,
+        limits: AdmissionLimits,
+        *,
+        publish: Callable[[queue_pb2.QueuedRequest], None],
+        tokenize: Callable[[str], list[int]],
+        vocab_size: int,
+    ) -> None:
+        self.core = core
+        self.tiers = tiers
+        self.limits = limits
+        self.publish = publish  # blocking until the broker acknowledged (acks=all)
+        self.tokenize = tokenize
+        self.vocab_size = vocab_size
+
+    async def Generate(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateEvent]:
+        try:
+            tier = tier_from_metadata(context.invocation_metadata() or (), self.tiers)
+            admitted = admit(request, tier, self.limits, self.tokenize, self.vocab_size)
+        except AdmissionError as exc:
+            await context.abort(exc.code, exc.message)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed")
+        timeout_s = _earliest(remaining, admitted.timeout_ms / 1000 or None)
+
+        request_id = admitted.request_id
+        known = self.core.lookup(request_id)
+        if request_id in self.core.clients:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request_id} is already being streamed to another client",
+            )
+        if known is not None and known.outcome is Outcome.DONE:
+            # Idempotent retry of a finished request: answer with its result again.
+            yield serving_pb2.GenerateEvent(
+                request_id=request_id,
+                done=serving_pb2.Done(
+                    usage=known.usage(),
+                    timings=known.timings(self.core.clock()),
+                    text=self.core.decode(known.output_ids),
+                ),
+            )
+            return
+        if known is not None and known.outcome is not Outcome.LIVE:
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"request {request_id} already ended ({known.outcome.value}); "
+                "send it again with a new request_id",
+            )
+
+        log_ = log.bind(request_id=request_id, tier=tier)
+        queue = self.core.open_client(request_id)
+        finished = False
+        try:
+            if known is None:  # a new request: durable in Kafka before we say Queued
+                record = queue_pb2.QueuedRequest(
+                    request_id=request_id,
+                    tier=tier,
+                    prompt_ids=admitted.prompt_ids,
+                    max_new_tokens=admitted.max_new_tokens,
+                    sampling=serving_pb2.SamplingParams(
+                        temperature=admitted.temperature, top_p=admitted.top_p, seed=admitted.seed
+                    ),
+                    stop_at_eos=True,
+                    arrival_unix_ms=int(time.time() * 1000),
+                    deadline_unix_ms=int((time.time() + timeout_s) * 1000) if timeout_s else 0,
+                    reply_to=self.core.instance_id,
+                )
+                position = self.core.queue_position(tier)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, self.publish, record)
+                except Exception as exc:  # broker unreachable or refused: nothing was queued
+                    log_.error("kafka publish failed", error=str(exc))
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"request queue unavailable: {exc}"
+                    )
+                log_.info("queued", prompt_tokens=len(admitted.prompt_ids))
+                yield serving_pb2.GenerateEvent(
+                    request_id=request_id,
+                    queued=serving_pb2.Queued(
+                        tier=tier, position=position, prompt_tokens=len(admitted.prompt_ids)
+                    ),
+                )
+            else:
+                log_.info("client joined a live request")
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(queue.get(), wait)
+                except TimeoutError:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {request_id} did not finish within its deadline",
+                    )
+                if isinstance(item, ClientError):
+                    finished = True
+                    await context.abort(item.code, item.message)
+                yield item
+                if item.WhichOneof("event") == "done":
+                    finished = True
+                    return
+        finally:
+            # Reached on done, on error, and when the client cancels or disconnects (the
+            # generator is closed): in the last cases the request is cancelled too.
+            if finished:
+                self.core.close_client(request_id)
+            else:
+                self.core.client_gone(request_id)
+
+    async def GetRequest(
+        self, request: serving_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.RequestStatus:
+        live = self.core.lookup(request.request_id)
+        if live is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} on this instance"
+            )
+        return serving_pb2.RequestStatus(
+            request_id=live.request_id,
+            tier=live.record.tier,
+            state=live.state,
+            usage=live.usage(),
+            timings=live.timings(self.core.clock()),
+            text=self.core.decode(live.output_ids),
+            error=live.error,
+        )
+
+
+def _earliest(*timeouts: float | None) -> float | None:
+    given = [t for t in timeouts if t is not None]
+    return min(given) if given else None

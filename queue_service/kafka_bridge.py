@@ -1,0 +1,99 @@
+"""The threads between Kafka (blocking kafka-python clients) and the service's asyncio loop.
+
+- consumer thread: polls the tier topics in strict priority and hands each delivery to the loop
+  (``loop.call_soon_threadsafe``). It takes only as many requests as the service has room for
+  (``max_live`` requests in memory), so a backlog stays in Kafka; the most important tier may
+  always bring in one more, so a full queue of batch work never holds a critical request back.
+- reply thread: reads this instance's reply topic (events of its clients' requests that another
+  instance runs) and hands them to the loop.
+- ``publish`` (an executor thread per call, it blocks until the broker's ack) and
+  ``finished`` (any thread; the consumer thread commits) are called from the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from queue_service.kafka_io import (
+    DeliveredRequest,
+    PriorityConsumer,
+    ReplyConsumer,
+    RequestLog,
+    ensure_topics,
+)
+from tierflow.kafka_settings import KafkaSettings
+from tierflow.tiers import TierTable
+from tierflow.v1 import queue_pb2
+
+log = structlog.get_logger("queue_service.kafka")
+
+POLL_TIMEOUT_S = 0.05  # how long one poll waits; bounds how fast stop() is noticed
+
+
+class KafkaBridge:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        tiers: TierTable,
+        instance_id: str,
+        *,
+        max_live: int,
+        live_count: Callable[[], int],
+    ) -> None:
+        ensure_topics(settings, tiers.names, reply_instances=[instance_id])
+        self.settings = settings
+        self.tiers = tiers
+        self.instance_id = instance_id
+        self.max_live = max_live
+        self.live_count = live_count  # read from the consumer thread: a len(), no lock needed
+        self.request_log = RequestLog(settings)
+        self.consumer = PriorityConsumer(settings, tiers)
+        self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_delivered: Callable[[queue_pb2.QueuedRequest, DeliveredRequest], None],
+        on_reply: Callable[[queue_pb2.ReplyRecord], None],
+    ) -> None:
+        def consume() -> None:
+            top_tier = self.tiers.names[0]
+            while not self._stop.is_set():
+                room = self.max_live - self.live_count()
+                if room <= 0 and self.consumer.waiting().get(top_tier):
+                    room = 1
+                for delivered in self.consumer.poll(POLL_TIMEOUT_S, max_records=max(room, 0)):
+                    loop.call_soon_threadsafe(on_delivered, delivered.request, delivered)
+            self.consumer.close()
+
+        def read_replies() -> None:
+            while not self._stop.is_set():
+                for reply in self.replies.poll(POLL_TIMEOUT_S):
+                    loop.call_soon_threadsafe(on_reply, reply)
+            self.replies.close()
+
+        for target, name in ((consume, "kafka-consumer"), (read_replies, "kafka-replies")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def publish(self, record: queue_pb2.QueuedRequest) -> None:
+        self.request_log.publish(record)
+
+    def publish_reply(self, instance_id: str, reply: queue_pb2.ReplyRecord) -> None:
+        self.request_log.publish_reply(instance_id, reply)
+
+    def finished(self, delivered: DeliveredRequest) -> None:
+        self.consumer.finished(delivered)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=15)
+        self.request_log.close()

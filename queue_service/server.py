@@ -1,0 +1,188 @@
+"""The queue service process: client API + worker control stream + Kafka, on one asyncio loop.
+
+    python -m queue_service.server --listen 127.0.0.1:50051 --model tiny-llama \
+        --kafka-bootstrap 127.0.0.1:9092
+
+Serves ``tierflow.v1.Tierflow`` (clients, through the edge) and ``tierflow.v1.WorkerControl``
+(worker processes dial in), plus the standard gRPC health service and server reflection.
+Stops gracefully on SIGTERM/SIGINT: no new calls, in-flight streams get a grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from queue_service.admission import AdmissionLimits
+from queue_service.client_api import ClientApi
+from queue_service.core import ServiceCore, Transport
+from queue_service.kafka_bridge import KafkaBridge
+from queue_service.scheduler import (
+    PrefillTimePredictor,
+    Scheduler,
+    SchedulerConfig,
+    make_policy,
+)
+from queue_service.worker_api import WorkerApi
+from tierflow.kafka_settings import KafkaSettings
+from tierflow.logging import configure_logging
+from tierflow.tiers import load_tiers
+from tierflow.v1 import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = structlog.get_logger("queue_service")
+
+
+@dataclass(frozen=True)
+class QueueServiceConfig:
+    listen: str = "127.0.0.1:50051"
+    model: str = "tiny-llama"  # its tokenizer and context length: must match the workers'
+    policy: str = "flowprefill"
+    tiers_file: Path | None = None
+    predictor_file: Path | None = None
+    kafka: KafkaSettings = field(default_factory=KafkaSettings.from_env)
+    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    heartbeat_timeout_s: float = 3.0
+    max_new_tokens: int = 1024
+    max_live: int = 256  # requests taken from Kafka and not finished; the rest wait in Kafka
+    grace_s: float = 5.0
+
+
+class QueueService:
+    """Builds the parts and owns their lifetimes."""
+
+    def __init__(self, config: QueueServiceConfig) -> None:
+        from worker.models import load_model_info
+
+        self.config = config
+        info = load_model_info(config.model)
+        tiers = load_tiers(config.tiers_file)
+        predictor = (
+            PrefillTimePredictor.load(config.predictor_file)
+            if config.predictor_file
+            else PrefillTimePredictor()
+        )
+        scheduler = Scheduler(make_policy(config.policy), tiers, predictor, SchedulerConfig())
+        self.kafka = KafkaBridge(
+            config.kafka,
+            tiers,
+            config.instance_id,
+            max_live=config.max_live,
+            live_count=lambda: len(self.core.live),
+        )
+        self.workers: WorkerApi | None = None
+        self.core = ServiceCore(
+            scheduler,
+            Transport(
+                send_to_worker=lambda w, m: self.workers.send(w, m),
+                finished=self.kafka.finished,
+                publish_reply=self.kafka.publish_reply,
+            ),
+            instance_id=config.instance_id,
+            decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.clients = ClientApi(
+            self.core,
+            tiers,
+            AdmissionLimits(
+                max_prompt_tokens=info.max_positions - 1, max_new_tokens=config.max_new_tokens
+            ),
+            publish=self.kafka.publish,
+            tokenize=lambda text: info.tokenizer(text)["input_ids"],
+            vocab_size=info.vocab_size,
+        )
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        serving_pb2_grpc.add_TierflowServicer_to_server(self.clients, self.server)
+        worker_pb2_grpc.add_WorkerControlServicer_to_server(self.workers, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                serving_pb2.DESCRIPTOR.services_by_name["Tierflow"].full_name,
+                worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(config.listen)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await self.server.start()
+        self.kafka.start(loop, self.core.on_delivered, self.core.deliver_reply)
+        watchdog = asyncio.create_task(self.workers.watch_heartbeats())
+        for service in ("", "tierflow.v1.Tierflow", "tierflow.v1.WorkerControl"):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "queue service ready",
+            port=self.port,
+            instance_id=self.config.instance_id,
+            policy=self.config.policy,
+            model=self.config.model,
+            kafka=self.config.kafka.bootstrap,
+        )
+        await stopping.wait()
+        log.info("stopping")
+        await self.health.enter_graceful_shutdown()
+        watchdog.cancel()
+        await self.server.stop(self.config.grace_s)
+        await loop.run_in_executor(None, self.kafka.stop)
+
+
+def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
+    p = argparse.ArgumentParser(prog="tierflow queue-service", description=__doc__.split("\n")[0])
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--model", default="tiny-llama", help="same model as the workers")
+    p.add_argument("--policy", default="flowprefill")
+    p.add_argument("--tiers", type=Path)
+    p.add_argument("--predictor", type=Path, help="from `tierflow calibrate`")
+    p.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
+    p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
+    p.add_argument("--instance-id")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    args = p.parse_args(argv)
+    overrides = {
+        k: v
+        for k, v in (("bootstrap", args.kafka_bootstrap), ("topic_prefix", args.topic_prefix))
+        if v is not None
+    }
+    extra = {"instance_id": args.instance_id} if args.instance_id else {}
+    return QueueServiceConfig(
+        listen=args.listen,
+        model=args.model,
+        policy=args.policy,
+        tiers_file=args.tiers,
+        predictor_file=args.predictor,
+        kafka=KafkaSettings.from_env(**overrides),
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        **extra,
+    )
+
+
+async def serve(config: QueueServiceConfig) -> None:
+    # Built inside the running loop: a grpc.aio server binds to the loop it was created on.
+    await QueueService(config).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging(json=True)
+    asyncio.run(serve(parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

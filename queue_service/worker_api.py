@@ -1,0 +1,113 @@
+"""The worker control servicer (``tierflow.v1.WorkerControl``): one bidirectional stream per
+attached worker process.
+
+The first message must be ``Hello``. From then on, commands the core sends to the worker go
+through the session's outbox onto the response stream, and what the worker reports goes to the
+core. A worker is considered gone when its stream closes or errors, or when no message
+(heartbeats included) arrived for ``heartbeat_timeout_s``: the core then re-queues what it held,
+so another worker completes it and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from queue_service.core import ServiceCore
+from tierflow.v1 import worker_pb2, worker_pb2_grpc
+
+log = structlog.get_logger("queue_service.worker_api")
+
+_CLOSE = object()  # put in an outbox to end that worker's response stream
+
+
+@dataclass
+class WorkerSession:
+    worker_id: str
+    hello: worker_pb2.Hello
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_seen: float = field(default_factory=time.monotonic)
+    suspended_bytes: int = 0
+
+
+class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
+    def __init__(self, core: ServiceCore, *, heartbeat_timeout_s: float = 3.0) -> None:
+        self.core = core
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.sessions: dict[str, WorkerSession] = {}
+
+    def send(self, worker_id: str, message: worker_pb2.ControlMessage) -> None:
+        session = self.sessions.get(worker_id)
+        if session is not None:
+            session.outbox.put_nowait(message)
+
+    async def Attach(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.ControlMessage]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("event") != "hello" or not first.hello.worker_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "first message must be Hello")
+        hello = first.hello
+        if hello.worker_id in self.sessions:
+            # A reconnect after a silent failure: the old session is gone with its state.
+            self._drop(hello.worker_id, "replaced by a new connection")
+        session = WorkerSession(hello.worker_id, hello)
+        self.sessions[hello.worker_id] = session
+        log.info(
+            "worker attached",
+            worker_id=hello.worker_id,
+            model=hello.model,
+            device=hello.device,
+            chunk_size=hello.chunk_size,
+            check=hello.check,
+        )
+        reader = asyncio.create_task(self._read(session, request_iterator))
+        try:
+            self.core.worker_joined(hello.worker_id)
+            while True:
+                message = await session.outbox.get()
+                if message is _CLOSE:
+                    return
+                yield message
+        finally:
+            reader.cancel()
+            self._drop(hello.worker_id, "stream ended", session)
+
+    async def _read(self, session: WorkerSession, stream) -> None:
+        try:
+            async for message in stream:
+                session.last_seen = time.monotonic()
+                if message.WhichOneof("event") == "heartbeat":
+                    session.suspended_bytes = message.heartbeat.suspended_bytes
+                    continue
+                self.core.on_worker_message(session.worker_id, message)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            session.outbox.put_nowait(_CLOSE)
+
+    def _drop(self, worker_id: str, why: str, session: WorkerSession | None = None) -> None:
+        current = self.sessions.get(worker_id)
+        if current is None or (session is not None and current is not session):
+            return
+        del self.sessions[worker_id]
+        current.outbox.put_nowait(_CLOSE)
+        log.warning("worker detached", worker_id=worker_id, why=why)
+        self.core.worker_left(worker_id)
+
+    async def watch_heartbeats(self) -> None:
+        """Runs for the life of the server: drops workers that went silent."""
+        interval = self.heartbeat_timeout_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for worker_id, session in list(self.sessions.items()):
+                if now - session.last_seen > self.heartbeat_timeout_s:
+                    self._drop(worker_id, "missed heartbeats", session)

@@ -1,0 +1,114 @@
+"""A small client for programs: wraps the generated stub of ``tierflow.v1.Tierflow``.
+
+    with TierflowClient("127.0.0.1:8080", api_key="...") as client:
+        for event in client.generate("What is the capital of France?", max_new_tokens=16):
+            ...
+
+Through the edge, pass ``api_key`` (sent as ``x-api-key``; the edge derives the tier). Talking
+to a queue service directly (tests, a trusted network), pass ``tier`` instead (sent as
+``x-tierflow-tier``, which the edge would overwrite).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from tierflow.v1 import serving_pb2, serving_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The events of one Generate call, collected."""
+
+    request_id: str
+    tier: str
+    first_token_text: str
+    text: str
+    ttft_ms: float
+    timings: serving_pb2.Timings
+    events: tuple[serving_pb2.GenerateEvent, ...]
+
+
+class TierflowClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        tier: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._channel = (
+            grpc.secure_channel(target, credentials)
+            if credentials is not None
+            else grpc.insecure_channel(target)
+        )
+        self._stub = serving_pb2_grpc.TierflowStub(self._channel)
+        metadata = []
+        if api_key is not None:
+            metadata.append(("x-api-key", api_key))
+        if tier is not None:
+            metadata.append(("x-tierflow-tier", tier))
+        self._metadata = tuple(metadata)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 1,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[serving_pb2.GenerateEvent]:
+        """Streams the request's events; raises ``grpc.RpcError`` with the status on failure.
+        Closing the iterator early cancels the request."""
+        request = serving_pb2.GenerateRequest(
+            max_new_tokens=max_new_tokens,
+            sampling=serving_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
+            request_id=request_id,
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+    def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        events = tuple(self.generate(prompt, **kwargs))
+        by_kind = {e.WhichOneof("event"): e for e in events}
+        done = by_kind["done"].done
+        first = by_kind["first_token"].first_token
+        return Completion(
+            request_id=events[0].request_id,
+            tier=by_kind["queued"].queued.tier if "queued" in by_kind else "",
+            first_token_text=first.text,
+            text=done.text,
+            ttft_ms=first.ttft_ms,
+            timings=done.timings,
+            events=events,
+        )
+
+    def status(self, request_id: str, timeout: float = 10.0) -> serving_pb2.RequestStatus:
+        return self._stub.GetRequest(
+            serving_pb2.GetRequestRequest(request_id=request_id),
+            metadata=self._metadata,
+            timeout=timeout,
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TierflowClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
