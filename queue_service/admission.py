@@ -90,10 +90,10 @@ def admit(
         prompt_ids = ()
     if not prompt_ids:
         raise AdmissionError(invalid, "prompt is empty")
-    max_new = request.max_new_tokens or 1
-    if max_new > limits.max_new_tokens:
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else 1
+    if not 1 <= max_new <= limits.max_new_tokens:
         raise AdmissionError(
-            invalid, f"max_new_tokens {max_new} is above the limit of {limits.max_new_tokens}"
+            invalid, f"max_new_tokens must be in [1, {limits.max_new_tokens}], got {max_new}"
         )
     if len(prompt_ids) + max_new > limits.max_prompt_tokens + 1:
         raise AdmissionError(
