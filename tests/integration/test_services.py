@@ -1,0 +1,246 @@
+"""The services end to end, without the edge: real Kafka, a real queue service process and real
+worker processes running real models. The tier comes from the trusted header here.
+
+Long prefills use the bench-llama preset (a 3500-token prefill takes seconds on a CPU), so a
+request can be preempted or a worker killed in the middle of one without any test-only hook.
+Assertions are orderings and generous bounds: CI shares 2 cores with Kafka's JVM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tests.integration.processes import start_queue_service, start_worker
+from tierflow.client import TierflowClient
+from worker.models import load_model
+
+SERVICE_TIERS = """
+[tiers.critical]
+rank = 0
+ttft_slo_s = 2.0
+[tiers.standard]
+rank = 1
+ttft_slo_s = 10.0
+[tiers.batch]
+rank = 2
+ttft_slo_s = 600.0
+sheddable = true
+"""
+
+
+@pytest.fixture
+def tiers_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tiers.toml"
+    path.write_text(SERVICE_TIERS)
+    return path
+
+
+@pytest.fixture
+def stack(tmp_path, kafka_settings, tiers_file):
+    """Starts services on demand; stops whatever was started."""
+    started = []
+
+    class Stack:
+        def queue_service(self, model: str, **kw):
+            proc, target = start_queue_service(
+                tmp_path, kafka_settings, model=model, tiers=tiers_file, **kw
+            )
+            started.append(proc)
+            return proc, target
+
+        def worker(self, target: str, worker_id: str, model: str, **kw):
+            proc = start_worker(tmp_path, target, worker_id, model=model, **kw)
+            started.append(proc)
+            return proc
+
+    yield Stack()
+    for proc in reversed(started):
+        proc.stop()
+
+
+def ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, vocab) for _ in range(n)]
+
+
+def greedy_first_token(model, prompt: list[int]) -> int:
+    with torch.no_grad():
+        return int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+
+
+def events_of(client: TierflowClient, prompt, **kw) -> list:
+    return list(client.generate(prompt, **kw))
+
+
+def kinds(events) -> list[str]:
+    return [e.WhichOneof("event") for e in events]
+
+
+def test_thirty_mixed_requests_on_two_workers_all_complete_exactly(stack, tiny_llama):
+    _, target = stack.queue_service("tiny-llama")
+    stack.worker(target, "w1", "tiny-llama", chunk_size=32)
+    stack.worker(target, "w2", "tiny-llama", chunk_size=32)
+    tiers = ["critical", "standard", "batch"]
+    prompts = [ids(20 + 23 * i, seed=i) for i in range(30)]
+
+    def run(i: int):
+        with TierflowClient(target, tier=tiers[i % 3]) as client:
+            return events_of(client, prompts[i], max_new_tokens=3, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(run, range(30)))
+    for i, events in enumerate(results):
+        assert kinds(events)[0] == "queued" and kinds(events)[-1] == "done", kinds(events)
+        assert events[0].queued.tier == tiers[i % 3]
+        first = next(e.first_token for e in events if e.WhichOneof("event") == "first_token")
+        assert first.token_id == greedy_first_token(tiny_llama.model, prompts[i]), i
+        done = events[-1].done
+        assert done.usage.prompt_tokens == len(prompts[i]) and done.usage.completion_tokens == 3
+
+
+def test_critical_request_preempts_a_long_batch_prefill(stack):
+    _, target = stack.queue_service("bench-llama")
+    stack.worker(target, "w1", "bench-llama", chunk_size=512)
+    batch_prompt = ids(3500, seed=1)
+    critical_prompt = ids(24, seed=2)
+    batch_events: list = []
+    with TierflowClient(target, tier="batch") as batch_client:
+        stream = batch_client.generate(batch_prompt, timeout=300)
+        for event in stream:  # until the batch prefill is under way
+            batch_events.append(event)
+            if event.WhichOneof("event") == "progress":
+                break
+        with TierflowClient(target, tier="critical") as critical_client:
+            critical = events_of(critical_client, critical_prompt, timeout=120)
+        batch_events.extend(stream)
+    assert kinds(critical)[-1] == "done" and kinds(batch_events)[-1] == "done"
+    batch_done = batch_events[-1].done
+    assert batch_done.timings.preemptions >= 1  # it gave way...
+    assert (
+        max(e.progress.preemptions for e in batch_events if e.WhichOneof("event") == "progress")
+        >= 1
+    )  # ...and said so while running
+    critical_first = next(e.first_token for e in critical if e.WhichOneof("event") == "first_token")
+    assert critical_first.ttft_ms < 2000  # its SLO here; it waited about one layer, not 3500 tokens
+    assert critical_first.ttft_ms < batch_done.timings.ttft_ms
+    # The preempted-and-resumed prefill is exact: same first token as one uninterrupted pass.
+    bench = load_model("bench-llama", device="cpu", dtype=torch.float32)
+    batch_first = next(
+        e.first_token for e in batch_events if e.WhichOneof("event") == "first_token"
+    )
+    assert batch_first.token_id == greedy_first_token(bench.model, batch_prompt)
+
+
+def test_worker_killed_mid_prefill_request_completes_on_the_other(stack, tiny_llama):
+    _, target = stack.queue_service("bench-llama")
+    w1 = stack.worker(target, "w1", "bench-llama", chunk_size=256)
+    w2 = stack.worker(target, "w2", "bench-llama", chunk_size=256)
+    prompt = ids(3000, seed=3)
+    with TierflowClient(target, tier="standard") as client:
+        stream = client.generate(prompt, timeout=300)
+        events = []
+        for event in stream:
+            events.append(event)
+            if event.WhichOneof("event") == "progress":
+                break
+        victim = next(
+            w for w in (w1, w2) if any(e.get("event") == "assigned" for e in w.log_events())
+        )
+        victim.kill()  # SIGKILL mid-prefill
+        events.extend(stream)
+    assert kinds(events)[-1] == "done"
+    survivor = w2 if victim is w1 else w1
+    assert any(e.get("event") == "finished" for e in survivor.log_events())
+    bench = load_model("bench-llama", device="cpu", dtype=torch.float32)
+    first = next(e.first_token for e in events if e.WhichOneof("event") == "first_token")
+    assert first.token_id == greedy_first_token(bench.model, prompt)
+
+
+def test_restart_while_queued_completes_everything_once(stack, tiny_llama):
+    qs, target = stack.queue_service("tiny-llama")
+    worker = stack.worker(target, "w1", "tiny-llama", chunk_size=64)
+    with TierflowClient(target, tier="standard") as client:
+        early = [client.complete(ids(30, seed=100 + i), request_id=f"early-{i}") for i in range(3)]
+    assert all(c.text for c in early)
+    worker.stop()  # nothing runs the next requests: they stay queued
+    queued_ids = [f"queued-{i}" for i in range(6)]
+
+    def prompt_of(request_id: str) -> list[int]:
+        return ids(40, seed=int(request_id.rsplit("-", 1)[1]))
+
+    def queue_and_leave(request_id: str) -> None:
+        with TierflowClient(target, tier="batch") as client:
+            stream = client.generate(prompt_of(request_id), request_id=request_id, timeout=60)
+            assert next(stream).WhichOneof("event") == "queued"  # durable in Kafka
+            stream.close()  # the client goes away; the crash below comes first anyway
+
+    for request_id in queued_ids:
+        queue_and_leave(request_id)
+    qs.kill()
+    _, target = stack.queue_service("tiny-llama")
+    stack.worker(target, "w2", "tiny-llama", chunk_size=64)
+    with TierflowClient(target, tier="batch") as client:
+        for request_id in queued_ids:
+            # The client retries with its idempotency key: it joins the re-delivered request.
+            events = events_of(client, prompt_of(request_id), request_id=request_id, timeout=120)
+            assert kinds(events)[-1] == "done", (request_id, kinds(events))
+        for c in early:  # finished before the crash: committed, never delivered again
+            with pytest.raises(grpc.RpcError) as err:
+                client.status(c.request_id)
+            assert err.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_input_gets_precise_statuses_and_the_service_keeps_serving(stack):
+    _, target = stack.queue_service("tiny-llama")
+    stack.worker(target, "w1", "tiny-llama")
+
+    def status_of(tier: str | None, prompt, **kw) -> grpc.StatusCode:
+        with TierflowClient(target, tier=tier) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                events_of(client, prompt, **kw)
+            return err.value.code(), err.value.details()
+
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of("critical", "   ") == (invalid, "prompt is empty")
+    code, details = status_of("critical", [7] * 5000)
+    assert code is invalid and "exceeds the model's context" in details
+    for bad in (0, -3, 10**6):
+        code, details = status_of("critical", "hello", max_new_tokens=bad)
+        assert code is invalid and "max_new_tokens" in details
+    code, details = status_of("gold", "hello")
+    assert code is invalid and "unknown tier 'gold'" in details
+    code, _ = status_of(None, "hello")
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    code, details = status_of("critical", [10**7])
+    assert code is invalid and "vocabulary" in details
+    code, details = status_of("critical", "hello", temperature=float("nan"))
+    assert code is invalid and "temperature" in details
+    code, _ = status_of("critical", "hello", timeout=0.000001)
+    assert code is grpc.StatusCode.DEADLINE_EXCEEDED
+    with TierflowClient(target, tier="critical") as client:
+        assert client.complete("still serving?", max_new_tokens=2).text
+
+
+def test_client_cancel_stops_the_request(stack):
+    _, target = stack.queue_service("bench-llama")
+    worker = stack.worker(target, "w1", "bench-llama", chunk_size=256)
+    with TierflowClient(target, tier="batch") as client:
+        stream = client.generate(ids(3000, seed=9), request_id="cancel-me", timeout=300)
+        for event in stream:
+            if event.WhichOneof("event") == "progress":
+                break
+        stream.close()  # cancels the RPC
+        worker.wait_for_log("cancelled", request_id="cancel-me", timeout=60)
+        deadline = time.monotonic() + 30
+        while client.status("cancel-me").state != client.status("cancel-me").CANCELLED:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # The worker is free again at once: a short request completes quickly after.
+        assert client.complete(ids(16, seed=10), max_new_tokens=1).text is not None
