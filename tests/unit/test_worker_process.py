@@ -1,0 +1,436 @@
+"""The worker process against a real gRPC server standing in for the queue service.
+
+A small ``WorkerControl`` servicer runs in-process on 127.0.0.1 (port 0); the worker is a real
+``WorkerProcess`` on the tiny-llama model, dialing it over a real channel. To make a Preempt land
+mid-prefill whatever the machine's speed, a forward pre-hook holds the engine thread inside one
+decoder layer (sleeping, so the GIL is free) until the preemption flag is raised or the test
+releases it. Tests assert orderings, not times: CI runs on two shared cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from worker import wire
+from worker.engine import EngineConfig, PrefillEngine
+from worker.events import Preempted
+from worker.process import Backoff, WorkerConfig, WorkerProcess
+from worker.request import InvalidRequestError
+from worker.task import ResumePoint
+
+WAIT_S = 30.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- the stand-in queue service
+
+
+@dataclass(frozen=True)
+class Received:
+    seq: int  # position on the stream, heartbeats included
+    kind: str
+    body: Any
+
+
+class FakeSession:
+    """One Attach stream as the queue service sees it."""
+
+    def __init__(self) -> None:
+        self._seq = itertools.count()
+        self._events: queue.Queue[Received | None] = queue.Queue()  # None: the stream ended
+        self._heartbeats: queue.Queue[Received] = queue.Queue()
+        self.outbox: queue.Queue[worker_pb2.ControlMessage | None] = queue.Queue()
+
+    def receive(self, message: worker_pb2.WorkerMessage | None) -> None:
+        if message is None:
+            self._events.put(None)
+            return
+        kind = message.WhichOneof("event")
+        item = Received(next(self._seq), kind, getattr(message, kind))
+        (self._heartbeats if kind == "heartbeat" else self._events).put(item)
+
+    def send(self, **command: Any) -> None:
+        self.outbox.put(worker_pb2.ControlMessage(**command))
+
+    def close(self) -> None:
+        self.outbox.put(None)
+
+    def next(self) -> Received | None:
+        return self._events.get(timeout=WAIT_S)
+
+    def until(self, kind: str) -> list[Received]:
+        """Every event (not heartbeat) up to and including the first ``kind``."""
+        seen: list[Received] = []
+        while True:
+            item = self.next()
+            assert item is not None, f"stream ended before {kind}; saw {[r.kind for r in seen]}"
+            seen.append(item)
+            if item.kind == kind:
+                return seen
+
+    def heartbeat(self, where: Callable[[Any], bool], after_seq: int = -1) -> Received:
+        """The first heartbeat sent after ``after_seq`` for which ``where(body)`` holds."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            item = self._heartbeats.get(timeout=max(0.0, deadline - time.monotonic()))
+            if item.seq > after_seq and where(item.body):
+                return item
+
+
+class FakeQueueService(worker_pb2_grpc.WorkerControlServicer):
+    def __init__(self) -> None:
+        self.sessions: queue.Queue[FakeSession] = queue.Queue()
+        self._all: list[FakeSession] = []
+        self.address = ""
+
+    def Attach(self, request_iterator, context):
+        session = FakeSession()
+        self._all.append(session)
+        # The handler ends when the worker goes: unblock its wait for the next command.
+        context.add_callback(session.close)
+
+        def pump() -> None:
+            try:
+                for message in request_iterator:
+                    session.receive(message)
+            except Exception:  # the stream was cancelled or broke: it ended all the same
+                pass
+            finally:
+                session.receive(None)
+                session.close()  # as the queue service does: the worker's side ended, so end ours
+
+        threading.Thread(target=pump, name="fake-pump", daemon=True).start()
+        self.sessions.put(session)
+        while (command := session.outbox.get()) is not None:
+            yield command
+
+    def next_session(self, timeout: float = WAIT_S) -> FakeSession:
+        return self.sessions.get(timeout=timeout)
+
+    def close_all(self) -> None:
+        for session in self._all:
+            session.close()
+
+
+@pytest.fixture
+def queue_service():
+    service = FakeQueueService()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    service.address = f"127.0.0.1:{port}"
+    yield service
+    service.close_all()
+    server.stop(None).wait(WAIT_S)
+
+
+# ---------------------------------------------------------------- the worker under test
+
+
+class LayerGate:
+    """Once armed, holds the engine thread in the pre-hook of one decoder layer until the
+    preemption flag is raised or ``release`` is set. Sleeping there releases the GIL, so the
+    control thread keeps receiving commands meanwhile."""
+
+    def __init__(self, layers: torch.nn.ModuleList, worker: WorkerProcess) -> None:
+        self._worker = worker
+        self._skip: int | None = None
+        self.reached = threading.Event()
+        self.release = threading.Event()
+        self._handles = [layer.register_forward_pre_hook(self._hook) for layer in layers]
+
+    def arm(self, after_layers: int) -> None:
+        """Hold at the layer call that follows ``after_layers`` calls."""
+        self.reached.clear()
+        self.release.clear()
+        self._skip = after_layers
+
+    def _hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if self._skip is None:
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        self._skip = None
+        self.reached.set()
+        deadline = time.monotonic() + WAIT_S
+        channel = self._worker.runner.channel
+        while channel.signal is None and not self.release.is_set():
+            assert time.monotonic() < deadline, "gate was never opened"
+            time.sleep(0.001)
+
+    def remove(self) -> None:
+        self.release.set()
+        for handle in self._handles:
+            handle.remove()
+
+
+@pytest.fixture
+def worker(queue_service, tiny_llama):
+    config = WorkerConfig(
+        queue_service=queue_service.address,
+        worker_id="w-test",
+        chunk_size=16,
+        heartbeat_interval_s=0.05,
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.2,
+    )
+    process = WorkerProcess(config, loaded_model=tiny_llama)
+    # Hooks go on the shared session model: removed below, whatever the test did.
+    process.gate = LayerGate(tiny_llama.model.model.layers, process)
+    process.start()
+    yield process
+    process.gate.remove()
+    process.stop()
+    assert process.wait(WAIT_S), "worker did not stop"
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 400, (n,), generator=g).tolist()
+
+
+def greedy_first_token(loaded, ids: list[int]) -> int:
+    with torch.no_grad():
+        return int(loaded.model(torch.tensor([ids])).logits[0, -1].argmax())
+
+
+def assign(request_id: str, ids: list[int], max_new_tokens: int = 1, **sampling: Any):
+    return worker_pb2.Assign(
+        request_id=request_id,
+        prompt_ids=ids,
+        max_new_tokens=max_new_tokens,
+        sampling=serving_pb2.SamplingParams(**sampling),
+    )
+
+
+def attached(queue_service) -> FakeSession:
+    session = queue_service.next_session()
+    hello = session.next()
+    assert hello is not None and hello.kind == "hello"
+    return session
+
+
+def preempt_mid_prefill(worker, session: FakeSession, request_id: str, ids: list[int]) -> Received:
+    """Assign, hold it in layer 1 of chunk 1, see it running, preempt it; the Preempted event."""
+    worker.gate.arm(after_layers=5)  # 4 layers of chunk 0, then layer 0 of chunk 1
+    session.send(assign=assign(request_id, ids))
+    assert worker.gate.reached.wait(WAIT_S)
+    session.heartbeat(lambda hb: hb.running_request_id == request_id)
+    session.send(preempt=worker_pb2.Preempt(request_id=request_id))
+    seen = session.until("preempted")
+    assert [r.kind for r in seen] == ["progress", "preempted"]
+    assert seen[0].body.tokens_done == 16
+    return seen[-1]
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_hello_first_then_assign_streams_progress_first_token_and_done(
+    worker, queue_service, tiny_llama
+):
+    session = queue_service.next_session()
+    hello = session.next()
+    assert hello.seq == 0 and hello.kind == "hello"
+    assert hello.body.worker_id == "w-test"
+    assert (hello.body.model, hello.body.device, hello.body.dtype) == (
+        "tiny-llama",
+        "cpu",
+        "float32",
+    )
+    assert (hello.body.num_layers, hello.body.chunk_size, hello.body.check) == (4, 16, "layer")
+    ids = prompt(40, 1)
+    expected = greedy_first_token(tiny_llama, ids)
+
+    request = assign("a", ids, max_new_tokens=3)
+    request.stop_at_eos = False
+    session.send(assign=request)
+    seen = session.until("done")
+
+    assert [r.kind for r in seen] == [
+        "progress",
+        "progress",
+        "first_token",
+        "token",
+        "token",
+        "done",
+    ]
+    assert [r.body.tokens_done for r in seen[:2]] == [16, 32]
+    first, done = seen[2].body, seen[-1].body
+    assert first.token_id == expected and first.prompt_tokens == 40 and first.prefill_busy_ms > 0
+    assert list(done.output_ids) == [expected, seen[3].body.token_id, seen[4].body.token_id]
+    assert done.busy_ms > 0 and done.preemptions == 0
+    assert all(r.body.request_id == "a" for r in seen)
+
+
+def test_preempt_while_running_then_resume_gives_the_uninterrupted_token(
+    worker, queue_service, tiny_llama
+):
+    session = attached(queue_service)
+    ids = prompt(200, 2)
+    expected = greedy_first_token(tiny_llama, ids)
+
+    preempted = preempt_mid_prefill(worker, session, "long", ids).body
+    # Held in layer 1 of chunk 1: it stops at the next layer boundary, after layer 1.
+    assert preempted.resume_point == worker_pb2.ResumePoint(
+        chunk=1, layer=2, half=0, tokens_done=16
+    )
+    assert preempted.held_bytes > 0 and not preempted.state_dropped
+    assert preempted.latency_ms >= 0
+    session.heartbeat(lambda hb: hb.suspended_bytes == preempted.held_bytes)
+
+    session.send(resume=worker_pb2.Resume(request_id="long"))
+    seen = session.until("done")
+    first = next(r.body for r in seen if r.kind == "first_token")
+    assert first.token_id == expected
+    assert list(seen[-1].body.output_ids) == [expected] and seen[-1].body.preemptions == 1
+    # Progress resumes from the chunk it stopped in: nothing before it is redone.
+    progress = [r.body.tokens_done for r in seen if r.kind == "progress"]
+    assert progress == list(range(32, 200, 16))
+
+
+def test_cancel_of_a_suspended_request_frees_its_memory(worker, queue_service):
+    session = attached(queue_service)
+    preempt_mid_prefill(worker, session, "s", prompt(200, 3))
+
+    session.send(cancel=worker_pb2.Cancel(request_id="s"))
+    cancelled = session.until("cancelled")
+    assert [r.kind for r in cancelled] == ["cancelled"]
+    session.heartbeat(lambda hb: hb.suspended_bytes == 0, after_seq=cancelled[-1].seq)
+    assert worker.runner.suspended_bytes == 0
+
+    session.send(assign=assign("next", prompt(20, 4)))
+    assert session.until("done")[-1].body.request_id == "next"
+
+
+def test_invalid_assign_fails_and_the_worker_keeps_serving(worker, queue_service):
+    session = attached(queue_service)
+
+    session.send(assign=assign("empty", []))
+    failed = session.until("failed")[-1].body
+    assert failed.request_id == "empty" and failed.invalid_request and "empty" in failed.error
+
+    session.send(assign=assign("hot", prompt(10, 5), temperature=500.0))
+    failed = session.until("failed")[-1].body
+    assert failed.request_id == "hot" and failed.invalid_request and "temperature" in failed.error
+
+    session.send(assign=assign("ok", prompt(10, 6)))
+    assert session.until("done")[-1].body.request_id == "ok"
+
+
+def test_stream_closed_by_the_queue_service_frees_everything_and_reconnects(worker, queue_service):
+    session = attached(queue_service)
+    preempt_mid_prefill(worker, session, "orphan", prompt(200, 7))
+
+    session.close()  # the queue service ends the stream (or restarts)
+    assert session.next() is None  # nothing more is sent on the old stream
+
+    again = queue_service.next_session()
+    hello = again.next()
+    assert hello.seq == 0 and hello.kind == "hello" and hello.body.worker_id == "w-test"
+    # The orphan was cancelled and freed before the worker attached again.
+    assert again.heartbeat(lambda hb: True).body == worker_pb2.Heartbeat()
+    again.send(assign=assign("after", prompt(20, 8)))
+    assert again.until("done")[-1].body.request_id == "after"
+
+
+def test_drain_finishes_running_work_refuses_new_and_exits(worker, queue_service):
+    session = attached(queue_service)
+    worker.gate.arm(after_layers=0)
+    session.send(assign=assign("last", prompt(20, 9)))
+    assert worker.gate.reached.wait(WAIT_S)
+
+    session.send(drain=worker_pb2.Drain())
+    session.send(assign=assign("late", prompt(20, 10)))
+    refused = session.until("failed")[-1].body
+    assert refused.request_id == "late" and not refused.invalid_request
+
+    worker.gate.release.set()
+    assert session.until("done")[-1].body.request_id == "last"
+    assert session.next() is None  # then the worker closes the stream
+    assert worker.wait(WAIT_S)
+    assert queue_service.sessions.empty()  # and does not come back
+
+
+def test_main_attaches_and_exits_0_on_sigterm(queue_service):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TIERFLOW_LOG_LEVEL": "INFO"}
+    command = [
+        sys.executable,
+        "-m",
+        "worker.process",
+        "--queue-service",
+        queue_service.address,
+        "--model",
+        "tiny-llama",
+        "--device",
+        "cpu",
+        "--worker-id",
+        "w-main",
+    ]
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        session = queue_service.next_session(timeout=180)  # imports torch: slow on busy CPUs
+        hello = session.next()
+        assert hello.kind == "hello" and hello.body.worker_id == "w-main"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    events = [line["event"] for line in lines if line.get("worker_id") == "w-main"]
+    assert "attached" in events and "stopped" in events
+
+
+# ---------------------------------------------------------------- wire and backoff, no server
+
+
+def test_wire_assign_defaults_follow_the_client_api():
+    request = wire.request_from_assign(worker_pb2.Assign(request_id="r", prompt_ids=[5, 6]))
+    assert request.prompt_ids == (5, 6) and request.max_new_tokens == 1
+    assert (request.sampling.temperature, request.sampling.top_p) == (0.0, 1.0)
+    with pytest.raises(InvalidRequestError):
+        wire.request_from_assign(assign("r", [5], top_p=1.5))
+
+
+def test_wire_preempted_latency_and_hello(tiny_llama):
+    event = Preempted("r", ResumePoint(1, 2, 1, 16), 100, False, at=10.5, signalled_at=10.498)
+    message = wire.event_message(event).preempted
+    assert message.latency_ms == pytest.approx(2.0)
+    assert message.resume_point.half == 1 and message.held_bytes == 100
+    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=None, check="half"))
+    hello = wire.hello("w", "tiny-llama", engine).hello
+    assert (hello.chunk_size, hello.check, hello.max_positions) == (0, "half", 4096)
+
+
+def test_backoff_grows_to_its_cap_with_jitter_and_resets():
+    backoff = Backoff(0.1, 1.0)
+    delays = [backoff.next_delay() for _ in range(8)]
+    ceilings = [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0, 1.0]
+    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings, strict=True))
+    backoff.reset()
+    assert backoff.next_delay() <= 0.1
