@@ -194,7 +194,6 @@ class WorkerProcess:
         self._cond = threading.Condition()
         # Guarded by _cond:
         self._held: set[str] = set()  # assigned and not yet finished, cancelled or failed
-        self._cancelling: set[str] = set()
         self._session: _Session | None = None
         self._connecting: grpc.Future | None = None
         self._draining = False
@@ -355,8 +354,11 @@ class WorkerProcess:
             if not (draining or duplicate):
                 self._held.add(request_id)
         if duplicate:
-            # The runner keys tasks by id: a second task under a live id would corrupt the first.
-            self._log.warning("duplicate assign ignored", request_id=request_id)
+            # The scheduler assigns a request again to the worker that holds it only after its
+            # state was dropped (recompute policy, memory cap): run the held task again, from
+            # token 0. A second task under a live id would corrupt the first.
+            self._log.info("re-assigned after its state was dropped", request_id=request_id)
+            self.runner.resume(request_id)
             return
         if draining:
             # Not invalid_request: the queue service should run it elsewhere.
@@ -387,8 +389,6 @@ class WorkerProcess:
     def _cancel(self, request_id: str) -> None:
         with self._cond:
             held = request_id in self._held
-            if held:
-                self._cancelling.add(request_id)
         if not held:
             self._log.info("cancel ignored: not held", request_id=request_id)
             return
@@ -407,7 +407,6 @@ class WorkerProcess:
         """Cancel whatever the engine still holds and, unless stopping, wait until it is freed."""
         with self._cond:
             held = sorted(self._held)
-            self._cancelling.update(held)
         if not held:
             return
         self._log.warning("cancelling requests of the ended session", requests=held)
@@ -423,33 +422,25 @@ class WorkerProcess:
             session.send(wire.heartbeat(self.runner.suspended_bytes, self._running_request_id()))
 
     def _running_request_id(self) -> str | None:
-        # EngineRunner has no public accessor for it yet; one attribute read is atomic.
-        return self.runner._running
+        return self.runner.running_request_id
 
     # ------------------------------------------------------------ engine thread
 
     def _on_event(self, event: RunnerEvent) -> None:
         """Called on the engine thread (and on the control thread for refused assigns)."""
         request_id = event.request_id
-        recancel = drained = False
+        drained = False
         with self._cond:
             session = self._session
             if isinstance(event, Finished | Cancelled | Failed):
                 self._held.discard(request_id)
-                self._cancelling.discard(request_id)
                 if not self._held:
                     self._cond.notify_all()
                     drained = self._draining
-            elif isinstance(event, Preempted):
-                # A cancel that lands just as a run stops by preemption is lost by the runner
-                # (it clears the channel after the run); the request is suspended, cancel it.
-                recancel = request_id in self._cancelling
         if session is not None:
             session.send(wire.event_message(event))
             if drained:
                 session.close_after_drain()
-        if recancel:
-            self.runner.cancel(request_id)
         self._log_event(event)
 
     def _log_event(self, event: RunnerEvent) -> None:

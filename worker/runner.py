@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine import PrefillEngine, RunStatus
+from worker.engine import PrefillEngine, RunOutcome, RunStatus
 from worker.events import (
     Cancelled,
     ChunkDone,
@@ -33,7 +33,7 @@ from worker.events import (
     RunnerEvent,
     TokenOut,
 )
-from worker.preemption import PreemptionChannel
+from worker.preemption import PreemptionChannel, Signal
 from worker.request import GenerationRequest, InvalidRequestError
 from worker.task import Task
 
@@ -130,6 +130,10 @@ class EngineRunner:
             self._work.put(("cancel", task))
 
     @property
+    def running_request_id(self) -> str | None:
+        return self._running
+
+    @property
     def suspended_bytes(self) -> int:
         return self.engine.suspended_bytes
 
@@ -163,8 +167,14 @@ class EngineRunner:
         progress.busy_s += now - progress.run_started
         with self._lock:
             self._running = None
+            # A cancel that arrived after the engine stopped (for a preemption) but before this
+            # point found the request still "running" and only raised the channel: honour it.
+            late_cancel = self.channel.signal is Signal.CANCEL
             self.channel.clear()
             signalled_at = self._signalled_at
+            if late_cancel and outcome is not None and outcome.status is RunStatus.PREEMPTED:
+                self.engine.cancel(task)
+                outcome = RunOutcome(RunStatus.CANCELLED)
             if outcome is None or outcome.status is not RunStatus.PREEMPTED:
                 self._tasks.pop(request_id, None)
                 self._progress.pop(request_id, None)

@@ -121,3 +121,24 @@ def test_invalid_request_fails_without_stopping_the_runner(runner):
     assert failed.invalid_request and "empty" in failed.error
     runner.assign(GenerationRequest("ok", ids(10, 6)))
     assert next_event(runner, Finished).request_id == "ok"
+
+
+def test_cancel_landing_between_a_preemption_stop_and_the_runner_is_not_lost(runner):
+    """The engine stopped for a preemption; a cancel arrives before the runner has cleared the
+    channel (it still sees the request as running). The request must end cancelled, not
+    suspended forever."""
+    real_run = runner.engine.run
+
+    def run_then_cancel(task, channel, listener):
+        outcome = real_run(task, channel, listener)
+        runner.cancel(task.request_id)  # exactly in the window
+        return outcome
+
+    runner.engine.run = run_then_cancel
+    runner.gate.hold("late")
+    runner.assign(GenerationRequest("late", ids(300, 7)))
+    pause_mid_prefill(runner, "late")
+    assert runner.preempt("late")
+    runner.gate.release.set()
+    assert next_event(runner, Cancelled).request_id == "late"
+    assert runner.suspended_bytes == 0 and runner.running_request_id is None
