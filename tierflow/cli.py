@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -75,6 +76,74 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tierflow.local_stack import LocalStack, StackConfig
+
+    cfg = StackConfig(
+        model=args.model, workers=args.workers, policy=args.policy, log_dir=args.log_dir,
+        edge=not args.no_edge, envoy_port=args.envoy_port, chunk_size=args.chunk_size,
+    )  # fmt: skip
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with LocalStack(cfg) as stack:
+        e = stack.endpoints
+        print(
+            f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON), queue service "
+            f"{e.queue_service}, kafka {e.kafka}; logs in {stack.log_dir}"
+        )
+        print("Ctrl-C or `tierflow down` stops it.")
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from tierflow.local_stack import stop_running_stack
+
+    if stop_running_stack(args.log_dir):
+        print("stopped")
+        return 0
+    print(f"no running stack recorded in {args.log_dir}")
+    return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tierflow.client import TierflowClient
+
+    with TierflowClient(args.target, api_key=args.api_key, tier=args.tier) as client:
+        try:
+            for event in client.generate(
+                args.prompt, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, timeout=args.timeout,
+            ):  # fmt: skip
+                kind = event.WhichOneof("event")
+                body = getattr(event, kind)
+                if kind == "token":
+                    print(body.text, end="", flush=True)
+                elif kind == "first_token":
+                    print(
+                        f"[first token after {body.ttft_ms:.0f} ms] {body.text}", end="", flush=True
+                    )
+                elif kind == "done":
+                    t = body.timings
+                    print(
+                        f"\n[done: {body.usage.completion_tokens} tokens, queue wait "
+                        f"{t.queue_wait_ms:.0f} ms, prefill {t.prefill_ms:.0f} ms, "
+                        f"suspended {t.suspended_ms:.0f} ms, preemptions {t.preemptions}]"
+                    )
+                else:
+                    print(f"[{kind}] {str(body).strip().replace(chr(10), ', ')}")
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}")
+            return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,10 +209,47 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=int, default=2048)
     c.add_argument("--out", type=Path, default=Path("out/predictor.json"))
     c.set_defaults(func=_calibrate)
+
+    up = sub.add_parser("up", help="start Kafka, queue service, workers, gateway and Envoy")
+    up.add_argument("--model", default="smollm2")
+    up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--policy", default="flowprefill")
+    up.add_argument("--chunk-size", type=int, default=2048)
+    up.add_argument("--envoy-port", type=int, default=8080)
+    up.add_argument("--no-edge", action="store_true", help="queue service only, no Envoy")
+    up.add_argument("--log-dir", type=Path, default=Path("out/stack"))
+    up.set_defaults(func=_up)
+
+    down = sub.add_parser("down", help="stop the stack that `tierflow up` started")
+    down.add_argument("--log-dir", type=Path, default=Path("out/stack"))
+    down.set_defaults(func=_down)
+
+    g = sub.add_parser("generate", help="send one request and stream its events")
+    g.add_argument("prompt")
+    g.add_argument("--target", default="127.0.0.1:8080", help="Envoy (or a queue service)")
+    g.add_argument("--api-key", help="through the edge: the key decides the tier")
+    g.add_argument("--tier", help="direct to a queue service (trusted header)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--timeout", type=float, default=300.0)
+    g.set_defaults(func=_generate)
+
+    for name in ("queue-service", "worker", "gateway"):
+        sub.add_parser(name, help=f"run the {name} process (its own --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    services = {
+        "queue-service": "queue_service.server",
+        "worker": "worker.process",
+        "gateway": "gateway.server",
+    }
+    if argv and argv[0] in services:  # the service processes parse their own arguments
+        import importlib
+
+        return importlib.import_module(services[argv[0]]).main(argv[1:])
     configure_logging()
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -1,0 +1,230 @@
+"""`tierflow up` / `tierflow down`: the whole system as local processes on loopback, no Docker.
+
+Starts, in dependency order and each only once the previous answers: a Kafka broker (KRaft,
+from its Maven Central jars), the queue service, N workers (each attached), the gateway
+(ext_authz) and Envoy (the edge). Every process logs to one directory. ``stop()`` (Ctrl-C in
+``tierflow up``, or ``tierflow down`` from another shell) stops them in reverse order; children
+also die with the launcher if it is killed, so nothing is left orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+
+from tierflow.kafka_broker import LocalKafkaBroker
+from tierflow.kafka_settings import KafkaSettings
+from tierflow.processes import REPO, ServiceProcess, free_port, python_module, wait_serving
+
+log = structlog.get_logger("tierflow.stack")
+
+STATE_FILE = "stack.json"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model: str = "smollm2"
+    workers: int = 1
+    policy: str = "flowprefill"
+    chunk_size: int = 2048
+    check: str = "layer"
+    device: str = "cpu"
+    log_dir: Path = Path("out/stack")
+    tiers_file: Path = REPO / "config" / "tiers.toml"
+    keys_file: Path = REPO / "config" / "keys.toml"
+    predictor_file: Path | None = None
+    edge: bool = True  # start the gateway and Envoy in front of the queue service
+    envoy_port: int | None = None  # None: a free port
+    rate_limits: dict[str, tuple[int, float]] | None = None  # tier -> (burst, tokens/s)
+
+
+@dataclass
+class Endpoints:
+    queue_service: str = ""
+    envoy: str = ""  # gRPC and JSON (HTTP/1.1) on the same port
+    envoy_admin: str = ""
+    gateway: str = ""
+    kafka: str = ""
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.log_dir = Path(config.log_dir).resolve()
+        self.endpoints = Endpoints()
+        self.processes: list[ServiceProcess] = []
+        self.broker: LocalKafkaBroker | None = None
+
+    def start(self) -> Endpoints:
+        cfg = self.config
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            started = time.monotonic()
+            kafka_dir = self.log_dir / "kafka"
+            shutil.rmtree(kafka_dir, ignore_errors=True)  # a fresh queue: no replay of old runs
+            self.broker = LocalKafkaBroker().start(data_dir=kafka_dir)
+            self.endpoints.kafka = self.broker.bootstrap
+            log.info("kafka ready", bootstrap=self.broker.bootstrap)
+            self._start_queue_service()
+            for i in range(cfg.workers):
+                self._start_worker(f"worker-{i}")
+            if cfg.edge:
+                self._start_gateway()
+                self._start_envoy()
+            self._write_state()
+            log.info(
+                "stack ready",
+                seconds=round(time.monotonic() - started, 1),
+                **{k: v for k, v in asdict(self.endpoints).items() if k != "pids"},
+            )
+            return self.endpoints
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, command: list[str], **env: str) -> ServiceProcess:
+        proc = ServiceProcess(name, command, self.log_dir / f"{name}.log", env=env or None)
+        self.processes.append(proc)
+        self.endpoints.pids[name] = proc.proc.pid
+        return proc
+
+    def _start_queue_service(self) -> None:
+        cfg = self.config
+        port = free_port()
+        settings = KafkaSettings(bootstrap=self.endpoints.kafka)
+        command = python_module(
+            "queue_service.server",
+            "--listen", f"127.0.0.1:{port}",
+            "--model", cfg.model,
+            "--policy", cfg.policy,
+            "--tiers", str(cfg.tiers_file),
+            "--kafka-bootstrap", settings.bootstrap,
+            "--instance-id", "local-0",
+        )  # fmt: skip
+        if cfg.predictor_file:
+            command += ["--predictor", str(cfg.predictor_file)]
+        self._spawn("queue-service", command)
+        self.endpoints.queue_service = f"127.0.0.1:{port}"
+        wait_serving(self.endpoints.queue_service, timeout=180)
+
+    def _start_worker(self, worker_id: str) -> None:
+        cfg = self.config
+        proc = self._spawn(
+            worker_id,
+            python_module(
+                "worker.process",
+                "--queue-service", self.endpoints.queue_service,
+                "--worker-id", worker_id,
+                "--model", cfg.model,
+                "--device", cfg.device,
+                "--chunk-size", str(cfg.chunk_size),
+                "--check", cfg.check,
+            ),
+        )  # fmt: skip
+        proc.wait_for_log("attached", timeout=600)  # the first SmolLM2 load converts its GGUF
+
+    def _start_gateway(self) -> None:
+        port = free_port()
+        self._spawn(
+            "gateway",
+            python_module(
+                "gateway.server",
+                "--listen", f"127.0.0.1:{port}",
+                "--keys", str(self.config.keys_file),
+                "--tiers", str(self.config.tiers_file),
+            ),
+        )  # fmt: skip
+        self.endpoints.gateway = f"127.0.0.1:{port}"
+        wait_serving(self.endpoints.gateway, timeout=60)
+
+    def _start_envoy(self) -> None:
+        from gateway.envoy_config import envoy_binary, render_envoy_config
+        from tierflow.protogen import write_descriptor_set
+
+        port = self.config.envoy_port or free_port()
+        admin = free_port()
+        descriptor = write_descriptor_set(self.log_dir / "tierflow.pb")
+        config_path = self.log_dir / "envoy.yaml"
+        config_path.write_text(
+            render_envoy_config(
+                listen_port=port,
+                admin_port=admin,
+                queue_service=self.endpoints.queue_service,
+                queue_service_canary=None,
+                gateway=self.endpoints.gateway,
+                descriptor_path=descriptor,
+                rate_limits=self.config.rate_limits,
+            )
+        )
+        self._spawn(
+            "envoy",
+            # No hot restart: several local Envoys (tests, a demo) must not share its memory.
+            [str(envoy_binary()), "-c", str(config_path), "--log-level", "warn",
+             "--disable-hot-restart"],
+        )  # fmt: skip
+        self.endpoints.envoy = f"127.0.0.1:{port}"
+        self.endpoints.envoy_admin = f"127.0.0.1:{admin}"
+        _wait_envoy_ready(self.endpoints.envoy_admin, self.processes[-1])
+
+    def _write_state(self) -> None:
+        state = asdict(self.endpoints) | {"launcher_pid": os.getpid()}
+        (self.log_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        (self.log_dir / STATE_FILE).unlink(missing_ok=True)
+        log.info("stack stopped", logs=str(self.log_dir))
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_envoy_ready(admin: str, proc: ServiceProcess, timeout: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"envoy exited:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://{admin}/ready", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"envoy not ready within {timeout} s:\n{proc.log_tail()}")
+
+
+def stop_running_stack(log_dir: Path) -> bool:
+    """`tierflow down`: ask the launcher recorded in ``log_dir`` to stop its stack."""
+    state_path = Path(log_dir) / STATE_FILE
+    if not state_path.exists():
+        return False
+    state = json.loads(state_path.read_text())
+    try:
+        os.kill(state["launcher_pid"], signal.SIGTERM)
+    except ProcessLookupError:  # the launcher is gone; its children died with it
+        state_path.unlink(missing_ok=True)
+        return False
+    deadline = time.monotonic() + 60
+    while state_path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return True
