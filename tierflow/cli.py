@@ -59,7 +59,12 @@ def _bench(args: argparse.Namespace) -> int:
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
-    main(cfg, args.json, args.plot)
+    if args.stack:
+        from bench.stack_bench import main as stack_main
+
+        stack_main(cfg, args.json, args.plot)
+    else:
+        main(cfg, args.json, args.plot)
     return 0
 
 
@@ -144,6 +149,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from bench.demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(model=args.model, duration_s=args.duration, out_dir=args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -199,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="arrival-rate multipliers tried by --sweep-rate",
     )
     b.add_argument("--quick", action="store_true", help="short run for CI smoke use")
+    b.add_argument(
+        "--stack", action="store_true",
+        help="also run the workload through the local services and report the TTFT they add",
+    )  # fmt: skip
     b.add_argument("--json", type=Path)
     b.add_argument("--plot", type=Path)
     b.set_defaults(func=_bench)
@@ -233,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
+
+    d = sub.add_parser("demo", help="the stack + a mixed-tier workload through Envoy (main job)")
+    d.add_argument("--model", default="smollm2")
+    d.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    d.add_argument("--out", type=Path, default=Path("out"))
+    d.set_defaults(func=_demo)
 
     for name in ("queue-service", "worker", "gateway"):
         sub.add_parser(name, help=f"run the {name} process (its own --help)", add_help=False)

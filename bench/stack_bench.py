@@ -1,0 +1,127 @@
+"""`tierflow bench --stack`: what the services add to TTFT, beside the in-process numbers.
+
+In one run, on one model:
+1. the workload in-process under flowprefill (the engine and scheduler without any I/O);
+2. the same workload through the local stack (Kafka + gRPC + a worker process), sent straight to
+   the queue service;
+3. on the idle stack, paired measurements of short critical requests: each prompt's TTFT
+   in-process (the engine alone), through the queue service, and through Envoy + the gateway,
+   taken back to back so drift hits all three alike. The differences per prompt give
+   ``stack_added_ttft_ms`` (Kafka + gRPC + worker hop) and ``edge_added_ttft_ms``
+   (Envoy + ext_authz).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+
+from bench.metrics import percentile, summarise
+from bench.policy_bench import PolicyBenchConfig, build_workload, run_policy_bench
+from bench.report import plot_ttft_cdfs, render_policy_tables
+from bench.stack_client import Credentials, replay
+from bench.workload import prompt_ids
+from tierflow.client import TierflowClient
+from tierflow.tiers import load_tiers
+from worker.engine import EngineConfig, PrefillEngine, RunStatus
+from worker.preemption import PreemptionChannel
+from worker.request import GenerationRequest
+
+PAIRED_SAMPLES = 30
+
+
+def _ttft_ms(client: TierflowClient, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    for event in client.generate(prompt, max_new_tokens=1, timeout=120):
+        if event.WhichOneof("event") == "first_token":
+            return (time.perf_counter() - start) * 1000
+    raise RuntimeError("no first token")
+
+
+def paired_overheads(model, stack_endpoints, chunk_size: int, samples: int, seed: int) -> dict:
+    from gateway.demo_keys import DEMO_KEYS
+
+    rng = random.Random(seed)
+    engine = PrefillEngine(model, EngineConfig(chunk_size=chunk_size, check="layer"))
+    direct = TierflowClient(stack_endpoints.queue_service, tier="critical")
+    edge = TierflowClient(stack_endpoints.envoy, api_key=DEMO_KEYS["critical"])
+    added_stack, added_edge = [], []
+    try:
+        for i in range(samples + 2):
+            prompt = [rng.randrange(5, model.config.vocab_size) for _ in range(rng.randint(16, 64))]
+            task = engine.new_task(GenerationRequest(f"p{i}", tuple(prompt)))
+            start = time.perf_counter()
+            assert engine.run(task, PreemptionChannel()).status is RunStatus.FINISHED
+            in_process = (time.perf_counter() - start) * 1000
+            through_qs = _ttft_ms(direct, prompt)
+            through_edge = _ttft_ms(edge, prompt)
+            if i >= 2:  # the first two warm up connections and caches
+                added_stack.append(through_qs - in_process)
+                added_edge.append(through_edge - through_qs)
+    finally:
+        direct.close()
+        edge.close()
+    return {
+        "stack_added_ttft_ms": {"p50": percentile(added_stack, 50),
+                                "p99": percentile(added_stack, 99), "n": len(added_stack)},
+        "edge_added_ttft_ms": {"p50": percentile(added_edge, 50),
+                               "p99": percentile(added_edge, 99), "n": len(added_edge)},
+    }  # fmt: skip
+
+
+def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
+    from tierflow.local_stack import LocalStack, StackConfig
+    from worker.models import load_model
+
+    result = run_policy_bench(replace(cfg, policies=("flowprefill",), sweep_factors=()), console)
+    loaded = load_model(cfg.model, device=cfg.device)
+    tiers = load_tiers(cfg.tiers_file)
+    workload = build_workload(cfg).clip_prompts(loaded.model.config.max_position_embeddings)
+    stack_cfg = StackConfig(
+        model=cfg.model, workers=cfg.workers, chunk_size=cfg.chunk_size,
+        tiers_file=cfg.tiers_file or StackConfig.tiers_file, log_dir=Path("out/bench-stack"),
+        device=str(loaded.model.device),
+    )  # fmt: skip
+    with LocalStack(stack_cfg) as stack, Progress(console=console) as progress:
+        bar = progress.add_task("flowprefill through the stack", total=len(workload.arrivals))
+        run = replay(
+            stack.endpoints.queue_service, workload,
+            lambda a: prompt_ids(a, loaded.model.config.vocab_size),
+            lambda tier: Credentials(tier=tier),
+            on_progress=lambda: progress.advance(bar),
+        )  # fmt: skip
+        result["policies"]["flowprefill@stack"] = summarise(run, tiers)
+        result.update(
+            paired_overheads(loaded.model, stack.endpoints, cfg.chunk_size, PAIRED_SAMPLES,
+                             cfg.seed)
+        )  # fmt: skip
+    return result
+
+
+def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
+    console = Console()
+    result = run_stack_bench(cfg, console)
+    render_policy_tables(result, console)
+    for key, label in (
+        ("stack_added_ttft_ms", "Kafka + gRPC + worker hop"),
+        ("edge_added_ttft_ms", "Envoy + gateway (ext_authz)"),
+    ):
+        q = result[key]
+        console.print(
+            f"TTFT added by {label}: p50 {q['p50']:.1f} ms, p99 {q['p99']:.1f} ms "
+            f"({q['n']} paired idle critical requests)"
+        )
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {json_path}")
+    if png_path:
+        plot_ttft_cdfs(result, png_path)
+        console.print(f"wrote {png_path}")
+    return result
