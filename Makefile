@@ -10,9 +10,10 @@ OUT ?= out
 setup:
 	@echo "environment: $(VENV)"
 
-# Main job (until the service stack lands): what layer-boundary preemption costs and buys on
-# the engine, then every scheduling policy on one mixed-tier workload. Tables, JSON and PNGs.
-demo: engine-bench bench
+# Main job: the local stack (Kafka, queue service, a SmolLM2 worker, gateway, Envoy) and a
+# mixed-tier workload sent through Envoy; prints the per-tier table, writes out/demo.{json,png}.
+demo:
+	$(VENV)/bin/tierflow demo --out $(OUT) $(ARGS)
 
 engine-bench:
 	@mkdir -p $(OUT)
