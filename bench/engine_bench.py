@@ -14,7 +14,6 @@ Measured on the machine it runs on, as ratios inside the run (machines here are 
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import threading
@@ -28,6 +27,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench.metrics import percentile
+from bench.report import write_json
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
@@ -54,15 +55,6 @@ class EngineBenchConfig:
             latency_samples=8,
         )
         return cls(**{**base, **overrides})
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 class LayerTimer:
@@ -306,10 +298,7 @@ def main(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None) 
     console = Console()
     result = run_engine_bench(cfg, console)
     render_table(result, console)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {json_path}")
+    write_json(result, json_path, console)
     if png_path:
         plot(result, png_path)
         console.print(f"wrote {png_path}")

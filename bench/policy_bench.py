@@ -10,7 +10,6 @@ its requests.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -22,7 +21,13 @@ from rich.progress import Progress
 from bench.calibrate import calibrate
 from bench.harness import run_policy
 from bench.metrics import meets_slos, summarise
-from bench.report import plot_sweep, plot_ttft_cdfs, render_comparison, render_policy_tables
+from bench.report import (
+    plot_sweep,
+    plot_ttft_cdfs,
+    render_comparison,
+    render_policy_tables,
+    write_json,
+)
 from bench.traces import TraceOptions, load_trace_workload
 from bench.workload import Workload, prompt_ids, synthetic
 from queue_service.scheduler import (
@@ -185,10 +190,7 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     result = run_policy_bench(cfg, console)
     render_policy_tables(result, console)
     render_comparison(result, console)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {json_path}")
+    write_json(result, json_path, console)
     if png_path:
         plot_ttft_cdfs(result, png_path)
         console.print(f"wrote {png_path}")

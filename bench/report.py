@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -14,6 +15,14 @@ POLICY_COLOURS = {
     "recompute": "tab:red",
     "flowprefill": "tab:green",
 }
+
+
+def write_json(result: dict, path: Path | None, console: Console) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {path}")
 
 
 def render_policy_tables(result: dict, console: Console) -> None:

@@ -13,7 +13,6 @@ In one run, on one model:
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import replace
@@ -24,7 +23,7 @@ from rich.progress import Progress
 
 from bench.metrics import percentile, summarise
 from bench.policy_bench import PolicyBenchConfig, build_workload, run_policy_bench
-from bench.report import plot_ttft_cdfs, render_policy_tables
+from bench.report import plot_ttft_cdfs, render_policy_tables, write_json
 from bench.stack_client import Credentials, replay
 from bench.workload import prompt_ids
 from tierflow.client import TierflowClient
@@ -117,10 +116,7 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
             f"TTFT added by {label}: p50 {q['p50']:.1f} ms, p99 {q['p99']:.1f} ms "
             f"({q['n']} paired idle critical requests)"
         )
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {json_path}")
+    write_json(result, json_path, console)
     if png_path:
         plot_ttft_cdfs(result, png_path)
         console.print(f"wrote {png_path}")
