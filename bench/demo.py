@@ -70,8 +70,10 @@ class DemoPrompts:
 
     def _chat(self, text: str) -> list[int]:
         messages = [{"role": "user", "content": text}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
 
     def _document(self, tokens: int) -> str:
         parts, length = [], 0

@@ -1,0 +1,47 @@
+"""Fixtures for tests against real services: one Kafka broker for the whole session.
+
+The broker is a real single-node Kafka (KRaft) started from its Maven Central jars by
+``scripts/kafka.sh`` (the first run fetches them, seconds; later runs start in a few seconds).
+Tests share it and keep apart by topic prefix and consumer group: every test gets its own.
+
+A broker must never outlive the test run: the fixture's finalizer stops it, LocalKafkaBroker
+registers an ``atexit`` hook as well, and the script's watchdog stops it when this process is
+gone even after a SIGKILL (no Python clean-up runs then).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tierflow.kafka_broker import LocalKafkaBroker
+from tierflow.kafka_settings import KafkaSettings
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafkaBroker]:
+    """A running broker; ``kafka.bootstrap`` is its address."""
+    if shutil.which("java") is None:
+        pytest.skip("Kafka needs Java 17+ (java is not on PATH)")
+    broker = LocalKafkaBroker()
+    try:
+        broker.start(data_dir=tmp_path_factory.mktemp("kafka"))
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    """A prefix no other test uses, so that each test has topics (and a group) of its own."""
+    return f"t{uuid.uuid4().hex[:12]}."
+
+
+@pytest.fixture
+def kafka_settings(kafka: LocalKafkaBroker, topic_prefix: str) -> KafkaSettings:
+    return KafkaSettings(
+        bootstrap=kafka.bootstrap, topic_prefix=topic_prefix, group_id=f"{topic_prefix}queue"
+    )
