@@ -151,9 +151,13 @@ class FlowPrefill(SchedulingPolicy):
 
     def key(self, req: Request, now: float, remaining_s: float) -> SortKey:
         # Requests that can still make their deadline go first, earliest deadline first; those
-        # that will miss anyway (and those already past their first token) go after them, still
-        # in deadline order, and are still completed.
-        hopeless = req.prefilled or slack_s(req, now, remaining_s) < 0
+        # that will miss anyway go after them, still in deadline order, and are still completed.
+        if req.prefilled:
+            # Decoding (its first token is out): it yields to any request whose TTFT deadline
+            # falls within one of its own tier's SLOs from now (ties go to the newcomer), but
+            # not to lower-tier work with time to spare, such as a fresh batch document.
+            return (0.0, now + req.tier.ttft_slo_s, math.inf)
+        hopeless = slack_s(req, now, remaining_s) < 0
         return (float(hopeless), req.deadline_s, req.seq)
 
     def should_preempt(
@@ -172,8 +176,8 @@ class FlowPrefill(SchedulingPolicy):
             return False  # misses even if started now: preempting would not help
         if now + wait_s + waiting_remaining_s <= waiting.deadline_s:
             return False  # makes its SLO by waiting: never preempt for it
-        if running.prefilled:
-            return True  # the running one is decoding: its TTFT cannot suffer
+        # Same order as the queue: a request preempted for another must not rank first again
+        # once the worker is free (that would be a preempt/resume loop).
         return self.key(waiting, now, waiting_remaining_s) < self.key(
             running, now, running_remaining_s
         )

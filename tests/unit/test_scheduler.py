@@ -197,6 +197,18 @@ def test_flowprefill_preempts_a_decoding_request_first():
     assert sched.state_of("s") is RequestState.DECODING
 
 
+def test_flowprefill_resumes_a_suspended_decoding_request_before_fresh_lower_tier_work():
+    """A critical answer interrupted by another critical question goes on before a batch
+    document that arrived meanwhile: decoding keeps its tier's urgency."""
+    sched = make("flowprefill", decode_s_per_token=0.05)
+    arrive(sched, "c1", "critical", 50, 0.0, new_tokens=60)  # ~3 s of decode
+    sched.handle(PrefillFinished("c1", "w0", 50, 0.05), 0.05)
+    assert arrive(sched, "c2", "critical", 50, 0.1) == [Preempt("c1", "w0", drop_state=False)]
+    sched.handle(PreemptionAcked("c1", "w0", 50, False), 0.11)
+    assert arrive(sched, "b1", "batch", 3000, 0.12) == []  # waits: the worker is busy
+    assert sched.handle(RequestDone("c2", "w0"), 0.3) == [Resume("c1", "w0")]
+
+
 def test_a_worker_being_preempted_is_not_preempted_again():
     sched = make("chunked")
     arrive(sched, "b", "batch", 10_000, 0.0)
