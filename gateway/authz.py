@@ -24,14 +24,14 @@ from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, exte
 from envoy.type.v3 import http_status_pb2
 from google.rpc import code_pb2, status_pb2
 
-from gateway.keys import KEY_HEADER, KeyStore, key_fingerprint
-from queue_service.admission import TIER_HEADER
+from gateway.keys import KeyStore, key_fingerprint
+from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
 
 log = structlog.get_logger("gateway.authz")
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # RFC 9110 wants a challenge with a 401; there is no registered scheme for API-key headers.
-_CHALLENGE = f'ApiKey realm="tierflow", header="{KEY_HEADER}"'
+_CHALLENGE = f'ApiKey realm="tierflow", header="{API_KEY_HEADER}"'
 
 
 def _header(http: attribute_context_pb2.AttributeContext.HttpRequest, name: str) -> str | None:
@@ -56,7 +56,7 @@ def allow(tier: str) -> external_auth_pb2.CheckResponse:
                     append_action=_OVERWRITE,
                 )
             ],
-            headers_to_remove=[KEY_HEADER],
+            headers_to_remove=[API_KEY_HEADER],
         ),
     )
 
@@ -89,11 +89,11 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> external_auth_pb2.CheckResponse:
         http = request.attributes.request.http
-        presented = _header(http, KEY_HEADER)
+        presented = _header(http, API_KEY_HEADER)
         where = {"method": http.method, "path": http.path, "envoy_request_id": http.id or None}
         if not presented:
             log.info("denied", reason="no key", **where)
-            return deny(f"missing API key: send it in the {KEY_HEADER} header")
+            return deny(f"missing API key: send it in the {API_KEY_HEADER} header")
         key = self.keys.lookup(presented)
         if key is None:
             # The fingerprint of an unknown key helps match a client's report to this line.

@@ -32,7 +32,6 @@ from tierflow.tiers import TierTable
 
 log = structlog.get_logger("gateway.keys")
 
-KEY_HEADER = "x-api-key"
 MIN_KEY_LENGTH = 16  # what hash_key accepts for a new key; shorter ones are guessable
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

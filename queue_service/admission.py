@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierflow.tiers import TierTable
+from tierflow.tiers import TIER_HEADER, TierTable
 from tierflow.v1 import serving_pb2
 
-TIER_HEADER = "x-tierflow-tier"
 MAX_REQUEST_ID_LEN = 128
 
 

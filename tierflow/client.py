@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -49,9 +50,9 @@ class TierflowClient:
         self._stub = serving_pb2_grpc.TierflowStub(self._channel)
         metadata = []
         if api_key is not None:
-            metadata.append(("x-api-key", api_key))
+            metadata.append((API_KEY_HEADER, api_key))
         if tier is not None:
-            metadata.append(("x-tierflow-tier", tier))
+            metadata.append((TIER_HEADER, tier))
         self._metadata = tuple(metadata)
 
     def generate(

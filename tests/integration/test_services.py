@@ -244,3 +244,25 @@ def test_client_cancel_stops_the_request(stack):
             time.sleep(0.1)
         # The worker is free again at once: a short request completes quickly after.
         assert client.complete(ids(16, seed=10), max_new_tokens=1).text is not None
+
+
+def test_two_instances_in_one_group_relay_events_to_the_client_stream(stack, tiny_llama):
+    """Both instances consume the tier topics as one group; whichever runs a request sends its
+    events to the reply topic of the instance that holds the client's stream."""
+    _, a = stack.queue_service("tiny-llama", instance_id="qs-a")
+    _, b = stack.queue_service("tiny-llama", instance_id="qs-b")
+    stack.worker(a, "wa", "tiny-llama", chunk_size=32)
+    stack.worker(b, "wb", "tiny-llama", chunk_size=32)
+    prompts = [ids(30 + 7 * i, seed=50 + i) for i in range(8)]
+
+    def run(i: int):
+        target = (a, b)[i % 2]
+        with TierflowClient(target, tier=("critical", "batch")[i % 2]) as client:
+            return events_of(client, prompts[i], max_new_tokens=2, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(8)))
+    for i, events in enumerate(results):
+        assert kinds(events)[0] == "queued" and kinds(events)[-1] == "done", (i, kinds(events))
+        first = next(e.first_token for e in events if e.WhichOneof("event") == "first_token")
+        assert first.token_id == greedy_first_token(tiny_llama.model, prompts[i])
