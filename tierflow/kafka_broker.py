@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,8 @@ from types import TracebackType
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
+from tierflow.processes import free_port
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kafka.sh"
 # The JVM alone takes a few seconds; two busy cores shared with tests can make it many more.
 DEFAULT_START_TIMEOUT_S = 90.0
@@ -37,13 +38,6 @@ _LOG_TAIL_LINES = 40
 
 class KafkaBrokerError(RuntimeError):
     """The local broker could not be started (the message ends with the tail of its log)."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LocalKafkaBroker:
