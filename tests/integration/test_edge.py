@@ -41,24 +41,14 @@ from tests.integration.processes import (
     start_queue_service,
     start_worker,
 )
+from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.processes import REPO, ServiceProcess, free_port
 from tierflow.protogen import write_descriptor_set
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
-TIERS = """
-[tiers.critical]
-rank = 0
-ttft_slo_s = 2.0
-[tiers.standard]
-rank = 1
-ttft_slo_s = 10.0
-[tiers.batch]
-rank = 2
-ttft_slo_s = 600.0
-sheddable = true
-"""
+TIERS = SERVICE_TIERS_TOML
 # The gateway of the stand-in tests knows one more tier, which has no route at the edge.
 INTERNAL_KEY = "tf-test-internal-0123456789abcdef"
 GATEWAY_TIERS = TIERS + "[tiers.internal]\nrank = 3\nttft_slo_s = 600.0\n"

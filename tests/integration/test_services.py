@@ -18,21 +18,11 @@ import pytest
 import torch
 
 from tests.integration.processes import start_queue_service, start_worker
+from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
 from worker.models import load_model
 
-SERVICE_TIERS = """
-[tiers.critical]
-rank = 0
-ttft_slo_s = 2.0
-[tiers.standard]
-rank = 1
-ttft_slo_s = 10.0
-[tiers.batch]
-rank = 2
-ttft_slo_s = 600.0
-sheddable = true
-"""
+SERVICE_TIERS = SERVICE_TIERS_TOML
 
 
 @pytest.fixture

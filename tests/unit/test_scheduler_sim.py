@@ -38,15 +38,9 @@ from queue_service.scheduler import (
     WorkerLeft,
     make_policy,
 )
-from tierflow.tiers import TierPolicy, TierTable
+from tests.tiers import UNIT_TIERS
 
-TIERS = TierTable(
-    [
-        TierPolicy("critical", 0, 1.0),
-        TierPolicy("standard", 1, 5.0),
-        TierPolicy("batch", 2, 100.0, sheddable=True),
-    ]
-)
+TIERS = UNIT_TIERS
 
 
 @dataclass
