@@ -269,7 +269,9 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     sizes = list(result["chunk_cost"])
-    left.bar(sizes, [result["chunk_cost"][s] for s in sizes], color="tab:blue")
+    positions = range(len(sizes))  # chunk sizes as categories, not as a numeric axis
+    left.bar(positions, [result["chunk_cost"][s] for s in sizes], color="tab:blue")
+    left.set_xticks(list(positions), sizes)
     left.axhline(1.0, color="gray", linestyle="--", label="whole prompt")
     left.set_xlabel("chunk size C (tokens)")
     left.set_ylabel("prefill time / whole-prompt time")

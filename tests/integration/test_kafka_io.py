@@ -20,14 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from queue_service.kafka_io import (
-    DeliveredRequest,
-    PriorityConsumer,
-    QueueUnavailableError,
-    ReplyConsumer,
-    RequestLog,
-    ensure_topics,
-)
+from queue_service.kafka_io import QueueUnavailableError, ReplyConsumer, RequestLog, ensure_topics
+from queue_service.priority_consumer import DeliveredRequest, PriorityConsumer
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import queue_pb2, serving_pb2
 
