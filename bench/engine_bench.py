@@ -92,24 +92,31 @@ def timed_prefill(engine: PrefillEngine, ids: tuple[int, ...]) -> float:
 
 def preemption_latency(
     engine: PrefillEngine, ids: tuple[int, ...], delay_s: float
-) -> tuple[float, RunStatus]:
-    """Raise the flag from another thread after ``delay_s``; seconds until run() returned."""
+) -> tuple[float, RunStatus] | None:
+    """Raise the flag from another thread after ``delay_s``; seconds until run() returned.
+
+    None when the prefill ended before the flag was raised: there was nothing to preempt, and
+    such a run says nothing about preemption latency."""
     channel = PreemptionChannel()
     task = engine.new_task(GenerationRequest("victim", ids))
     raised_at: list[float] = []
+    returned = threading.Event()
 
     def raise_flag() -> None:
-        time.sleep(delay_s)
-        raised_at.append(time.perf_counter())
-        channel.preempt()
+        if not returned.wait(delay_s):  # still running after the delay
+            raised_at.append(time.perf_counter())
+            channel.preempt()
 
     thread = threading.Thread(target=raise_flag, daemon=True)
     thread.start()
     outcome = engine.run(task, channel)
     returned_at = time.perf_counter()
+    returned.set()
     thread.join()
     if outcome.status is RunStatus.PREEMPTED:
         engine.cancel(task)  # frees the suspended state; resuming is measured elsewhere
+    if not raised_at or raised_at[0] > returned_at:
+        return None
     return returned_at - raised_at[0], outcome.status
 
 
@@ -180,11 +187,14 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
         latency: dict[str, dict] = {}
         for check in ("layer", "chunk"):
             samples, finished = [], 0
-            for _ in range(cfg.latency_samples):
-                delay = rng.uniform(0.05, 0.95) * prefill_c
-                seconds, status = preemption_latency(
-                    engine_for[(cfg.chunk_size, check)], ids, delay
-                )
+            while len(samples) < cfg.latency_samples:
+                # Uniform over the first 90% of a prefill: a flag can land anywhere in a layer
+                # or chunk. Runs that ended before the flag was raised are drawn again.
+                delay = rng.uniform(0.0, 0.9) * prefill_c
+                measured = preemption_latency(engine_for[(cfg.chunk_size, check)], ids, delay)
+                if measured is None:
+                    continue
+                seconds, status = measured
                 samples.append(seconds * 1000)
                 finished += status is RunStatus.FINISHED
                 progress.advance(bar)
