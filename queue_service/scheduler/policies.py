@@ -144,10 +144,16 @@ class FlowPrefill(SchedulingPolicy):
     engine_check = "layer"
     preempts = True
 
-    def __init__(self, switch_s: float = 0.0) -> None:
+    def __init__(self, switch_s: float = 0.0, wait_margin: float = 0.2) -> None:
         if not switch_s >= 0:
             raise ValueError(f"switch_s must be >= 0, got {switch_s!r}")
+        if not 0 <= wait_margin < 1:
+            raise ValueError(f"wait_margin must be in [0, 1), got {wait_margin!r}")
         self.switch_s = switch_s
+        # A request only waits (instead of preempting) when it is predicted to be done
+        # within (1 - wait_margin) of its SLO: predictions err, and more urgent arrivals may
+        # cut in while it waits. The spare part of the SLO absorbs that.
+        self.wait_margin = wait_margin
 
     def key(self, req: Request, now: float, remaining_s: float) -> SortKey:
         # Requests that can still make their deadline go first, earliest deadline first; those
@@ -174,8 +180,9 @@ class FlowPrefill(SchedulingPolicy):
             return False  # its TTFT is behind it: no deadline to save
         if slack_s(waiting, now + self.switch_s, waiting_remaining_s) < 0:
             return False  # misses even if started now: preempting would not help
-        if now + wait_s + waiting_remaining_s <= waiting.deadline_s:
-            return False  # makes its SLO by waiting: never preempt for it
+        margin = self.wait_margin * waiting.tier.ttft_slo_s
+        if now + wait_s + waiting_remaining_s <= waiting.deadline_s - margin:
+            return False  # makes its SLO by waiting, with margin: never preempt for it
         # Same order as the queue: a request preempted for another must not rank first again
         # once the worker is free (that would be a preempt/resume loop).
         return self.key(waiting, now, waiting_remaining_s) < self.key(
@@ -192,7 +199,7 @@ class FlowPrefill(SchedulingPolicy):
         return (float(loses), -slack, -running.tier.rank, running.tokens_done, -running.seq)
 
     def __repr__(self) -> str:
-        return f"FlowPrefill(switch_s={self.switch_s})"
+        return f"FlowPrefill(switch_s={self.switch_s}, wait_margin={self.wait_margin})"
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {

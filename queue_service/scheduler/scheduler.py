@@ -163,12 +163,15 @@ class Scheduler:
         return self._schedule(now)
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
-        # Only sharpens the estimate of what is left; decisions wait for the next real event.
+        # A chunk is done: the estimate of what is left gets sharper, and a request that chose
+        # to wait on the old estimate may now need a preemption after all. Still event-driven:
+        # one decision per chunk report, never on a timer.
         req = self._on_worker(ev.request_id, ev.worker_id)
-        if req is not None and not req.prefilled:
-            req.tokens_done = max(req.tokens_done, min(ev.tokens_done, req.prompt_tokens))
-            req.progress_at_s = now
-        return []
+        if req is None or req.prefilled:
+            return []
+        req.tokens_done = max(req.tokens_done, min(ev.tokens_done, req.prompt_tokens))
+        req.progress_at_s = now
+        return self._schedule(now)
 
     def _on_prefill_finished(self, ev: PrefillFinished, now: float) -> list[Command]:
         req = self._on_worker(ev.request_id, ev.worker_id)

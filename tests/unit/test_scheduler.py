@@ -156,7 +156,7 @@ def test_flowprefill_preempts_when_the_newcomer_would_miss_its_slo():
     assert sched.handle(RequestDone("c", "w0"), 1.2) == [Resume("b", "w0")]
 
 
-def test_progress_reports_update_the_estimate_without_deciding_anything():
+def test_progress_reports_sharpen_the_estimate():
     sched = make("flowprefill")
     arrive(sched, "b", "batch", 2000, 0.0)
     # The worker is slower than predicted: at 1.9 s it reports only 100 tokens done, so
@@ -165,6 +165,34 @@ def test_progress_reports_update_the_estimate_without_deciding_anything():
     assert sched.request("b").tokens_done == 100
     # ...and a critical arriving now would miss by waiting: preempt.
     assert arrive(sched, "c", "critical", 100, 1.9) == [Preempt("b", "w0", drop_state=False)]
+
+
+def test_a_progress_report_revisits_a_decision_to_wait():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)  # predicted done at 1.0 s
+    # The standard request (SLO 5 s) makes it by waiting: no preemption.
+    assert arrive(sched, "s", "standard", 500, 0.1) == []
+    # At 3.9 s the batch request reports 200 of 1000 tokens: ~0.8 s more, then 0.5 s for the
+    # standard one, past its 5.1 s deadline: the decision is revisited.
+    assert sched.handle(PrefillProgress("b", "w0", 200), 3.9) == [
+        Preempt("b", "w0", drop_state=False)
+    ]
+
+
+@pytest.mark.parametrize(("margin", "preempts"), [(0.0, False), (0.2, True)])
+def test_flowprefill_waits_only_with_a_margin_inside_the_slo(margin, preempts):
+    sched = Scheduler(
+        make_policy("flowprefill", wait_margin=margin),
+        TIERS,
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),
+        SchedulerConfig(refit_predictor=False, decode_s_per_token=0.0),
+    )
+    sched.handle(WorkerJoined("w0"), 0.0)
+    arrive(sched, "b", "batch", 800, 0.0)
+    # Waiting, the critical request would be done at 0.9 s: inside its 1 s SLO, but not
+    # inside 80% of it.
+    expected = [Preempt("b", "w0", drop_state=False)] if preempts else []
+    assert arrive(sched, "c", "critical", 100, 0.0) == expected
 
 
 def test_flowprefill_does_not_preempt_for_a_request_that_misses_anyway():
