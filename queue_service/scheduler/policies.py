@@ -144,7 +144,9 @@ class FlowPrefill(SchedulingPolicy):
     engine_check = "layer"
     preempts = True
 
-    def __init__(self, switch_s: float = 0.0, wait_margin: float = 0.2) -> None:
+    def __init__(
+        self, switch_s: float = 0.0, wait_margin: float = 0.2, late_grace: float = 1.0
+    ) -> None:
         if not switch_s >= 0:
             raise ValueError(f"switch_s must be >= 0, got {switch_s!r}")
         if not 0 <= wait_margin < 1:
@@ -154,16 +156,22 @@ class FlowPrefill(SchedulingPolicy):
         # within (1 - wait_margin) of its SLO: predictions err, and more urgent arrivals may
         # cut in while it waits. The spare part of the SLO absorbs that.
         self.wait_margin = wait_margin
+        if not late_grace >= 0:
+            raise ValueError(f"late_grace must be >= 0, got {late_grace!r}")
+        # Only a request that will be late by more than late_grace x its SLO counts as hopeless
+        # and goes behind the others: one that misses by a few milliseconds still goes first
+        # (behind a batch document, "will miss anyway" would turn 20 ms late into seconds).
+        self.late_grace = late_grace
 
     def key(self, req: Request, now: float, remaining_s: float) -> SortKey:
         # Requests that can still make their deadline go first, earliest deadline first; those
-        # that will miss anyway go after them, still in deadline order, and are still completed.
+        # that will miss it by far go after them, still in deadline order, and still complete.
         if req.prefilled:
             # Decoding (its first token is out): it yields to any request whose TTFT deadline
             # falls within one of its own tier's SLOs from now (ties go to the newcomer), but
             # not to lower-tier work with time to spare, such as a fresh batch document.
             return (0.0, now + req.tier.ttft_slo_s, math.inf)
-        hopeless = slack_s(req, now, remaining_s) < 0
+        hopeless = slack_s(req, now, remaining_s) < -self.late_grace * req.tier.ttft_slo_s
         return (float(hopeless), req.deadline_s, req.seq)
 
     def should_preempt(
@@ -199,7 +207,10 @@ class FlowPrefill(SchedulingPolicy):
         return (float(loses), -slack, -running.tier.rank, running.tokens_done, -running.seq)
 
     def __repr__(self) -> str:
-        return f"FlowPrefill(switch_s={self.switch_s}, wait_margin={self.wait_margin})"
+        return (
+            f"FlowPrefill(switch_s={self.switch_s}, wait_margin={self.wait_margin}, "
+            f"late_grace={self.late_grace})"
+        )
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {

@@ -100,6 +100,14 @@ def test_flowprefill_orders_by_deadline_with_negative_slack_last():
     assert drain_order(sched, 0.6) == ["c1", "s1", "b1", "hopeless"]
 
 
+def test_flowprefill_a_request_slightly_late_still_goes_before_work_with_time_to_spare():
+    sched = make("flowprefill", workers=0)
+    arrive(sched, "c", "critical", 100, 0.0)  # deadline 1.0, needs 0.1 s
+    arrive(sched, "b", "batch", 3000, 0.5)  # deadline 100.5
+    # At 0.95 s the critical request will be 0.05 s late: not hopeless, it still goes first.
+    assert drain_order(sched, 0.95) == ["c", "b"]
+
+
 # ---------------------------------------------------------------------------- preemption
 
 
