@@ -95,7 +95,9 @@ def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
             lambda tier: Credentials(tier=tier),
             on_progress=lambda: progress.advance(bar),
         )  # fmt: skip
-        result["policies"]["flowprefill@stack"] = summarise(run, tiers)
+        stack_summary = summarise(run, tiers)
+        stack_summary["engine"] = {"chunk_size": cfg.chunk_size, "check": "layer"}
+        result["policies"]["flowprefill@stack"] = stack_summary
         result.update(
             paired_overheads(loaded.model, stack.endpoints, cfg.chunk_size, PAIRED_SAMPLES,
                              cfg.seed)
