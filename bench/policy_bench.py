@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from bench.calibrate import calibrate
+from bench.calibrate import DEFAULT_LENGTHS, calibrate
 from bench.harness import run_policy
 from bench.metrics import meets_slos, summarise
 from bench.report import (
@@ -140,7 +140,9 @@ def run_policy_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
         if cfg.predictor_file is not None:
             predictor = PrefillTimePredictor.load(cfg.predictor_file)
         else:
-            cal = progress.add_task("calibrating the prefill predictor", total=14)
+            cal = progress.add_task(
+                "calibrating the prefill predictor", total=2 * len(DEFAULT_LENGTHS)
+            )
             engine = PrefillEngine(model, EngineConfig(chunk_size=cfg.chunk_size))
             predictor = calibrate(engine, on_sample=lambda: progress.advance(cal))
         isolated = isolated_ttft_ms(model, workload, tiers, cfg)

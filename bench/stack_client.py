@@ -34,7 +34,6 @@ class Credentials:
 class StackRecord(RequestRecord):
     text: str = ""
     server_ttft_ms: float = 0.0
-    error_code: str = ""
 
 
 def replay(
@@ -83,7 +82,6 @@ def replay(
                 record.rejected = exc.details() or "rejected"
             else:
                 record.failed = f"{exc.code().name}: {exc.details()}"
-                record.error_code = exc.code().name
         finally:
             on_progress()
 

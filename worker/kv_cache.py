@@ -38,8 +38,7 @@ class LayerwiseKVCache:
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict | None = None,
-        **_: object,
+        **_: object,  # transformers passes its attention kwargs; none matter here
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this chunk's K/V for one layer; return all K/V of that layer so far."""
         start = self.filled[layer_idx]

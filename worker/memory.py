@@ -18,10 +18,6 @@ class SuspendedMemory:
     def total_bytes(self) -> int:
         return sum(self._held.values())
 
-    @property
-    def task_ids(self) -> frozenset[str]:
-        return frozenset(self._held)
-
     def try_hold(self, task_id: str, nbytes: int) -> bool:
         """Register a suspended task's bytes if they fit under the cap."""
         if self.total_bytes + nbytes > self.cap_bytes:

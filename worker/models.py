@@ -187,11 +187,6 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
 )
 
 
-def list_presets() -> tuple[Preset, ...]:
-    """The presets, in a stable order, for ``--help`` texts and the CLI's model listing."""
-    return tuple(PRESETS.values())
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

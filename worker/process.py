@@ -419,10 +419,9 @@ class WorkerProcess:
 
     def _heartbeats(self, session: _Session) -> None:
         while not session.ended.wait(self.config.heartbeat_interval_s):
-            session.send(wire.heartbeat(self.runner.suspended_bytes, self._running_request_id()))
-
-    def _running_request_id(self) -> str | None:
-        return self.runner.running_request_id
+            session.send(
+                wire.heartbeat(self.runner.suspended_bytes, self.runner.running_request_id)
+            )
 
     # ------------------------------------------------------------ engine thread
 

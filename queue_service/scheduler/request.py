@@ -26,7 +26,6 @@ class RequestState(enum.Enum):
 
 WAITING = frozenset({RequestState.QUEUED, RequestState.SUSPENDED})
 ON_WORKER = frozenset({RequestState.RUNNING, RequestState.DECODING, RequestState.PREEMPTING})
-TERMINAL = frozenset({RequestState.DONE, RequestState.CANCELLED, RequestState.REJECTED})
 
 
 @dataclass

@@ -22,7 +22,6 @@ from worker.models import (
     build_random_model,
     check_layerwise_supported,
     ensure_converted,
-    list_presets,
     load_model,
 )
 from worker.tokenizer import TOKENIZER_PATH, load_builtin_tokenizer, trained_json
@@ -30,11 +29,10 @@ from worker.tokenizer import TOKENIZER_PATH, load_builtin_tokenizer, trained_jso
 # --- presets ------------------------------------------------------------------------------
 
 
-def test_list_presets_names_every_preset_once():
-    names = [preset.name for preset in list_presets()]
-    assert names == list(PRESETS)
-    assert {"tiny-llama", "tiny-qwen2", "bench-llama", "smollm2"} <= set(names)
-    assert all(preset.description for preset in list_presets())
+def test_presets_are_described_and_keyed_by_their_name():
+    assert all(name == preset.name for name, preset in PRESETS.items())
+    assert {"tiny-llama", "tiny-qwen2", "bench-llama", "smollm2"} <= set(PRESETS)
+    assert all(preset.description for preset in PRESETS.values())
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
