@@ -305,7 +305,7 @@ class ServiceCore:
                 log.info("rejected", request_id=cmd.request_id, reason=cmd.reason)
                 code = (
                     grpc.StatusCode.RESOURCE_EXHAUSTED
-                    if cmd.reason.startswith("overload")
+                    if cmd.overload
                     else grpc.StatusCode.INVALID_ARGUMENT
                 )
                 self._send(live, ClientError(code, cmd.reason))

@@ -131,10 +131,12 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Reject:
-    """The request is not accepted; ``reason`` is meant for the client (RESOURCE_EXHAUSTED...)."""
+    """The request is not accepted; ``reason`` is meant for the client. ``overload``: refused
+    for load (RESOURCE_EXHAUSTED on the wire), otherwise the request itself is invalid."""
 
     request_id: str
     reason: str
+    overload: bool = False
 
 
 Command = Assign | Preempt | Resume | Cancel | Reject

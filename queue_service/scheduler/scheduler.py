@@ -149,7 +149,7 @@ class Scheduler:
         if tier.sheddable:
             reason = self._overload_reason(now)
             if reason is not None:
-                return self._reject(rid, reason)
+                return self._reject(rid, reason, overload=True)
         self._seq += 1
         self._requests[rid] = Request(
             request_id=rid,
@@ -325,10 +325,10 @@ class Scheduler:
             return None
         return req
 
-    def _reject(self, request_id: str, reason: str) -> list[Command]:
+    def _reject(self, request_id: str, reason: str, *, overload: bool = False) -> list[Command]:
         self._remember(request_id, RequestState.REJECTED)
         self._counters["rejected"] += 1
-        return [Reject(request_id, reason)]
+        return [Reject(request_id, reason, overload)]
 
     def _finish(self, req: Request, state: RequestState) -> None:
         req.state = state

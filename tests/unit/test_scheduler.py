@@ -347,7 +347,7 @@ def test_batch_is_shed_when_too_many_sheddable_requests_wait():
     assert arrive(sched, "b1", "batch", 100, 0.1) == []
     assert arrive(sched, "b2", "batch", 100, 0.2) == []
     (reject,) = arrive(sched, "b3", "batch", 100, 0.3)
-    assert isinstance(reject, Reject) and reject.request_id == "b3"
+    assert isinstance(reject, Reject) and reject.request_id == "b3" and reject.overload
     assert "overloaded" in reject.reason and "limit 2" in reject.reason
     assert sched.state_of("b3") is RequestState.REJECTED
     # Critical and standard are never shed.
@@ -363,14 +363,14 @@ def test_batch_is_shed_when_the_predicted_wait_is_too_long():
     assert arrive(sched, "b1", "batch", 100, 0.0) == []
     arrive(sched, "s1", "standard", 3000, 0.0)  # backlog now ~7 s on one worker
     (reject,) = arrive(sched, "b2", "batch", 100, 0.0)
-    assert isinstance(reject, Reject) and "predicted wait" in reject.reason
+    assert isinstance(reject, Reject) and "predicted wait" in reject.reason and reject.overload
     assert arrive(sched, "c1", "critical", 5000, 0.0) == []
 
 
 def test_unknown_tier_and_invalid_requests_are_rejected_with_a_reason():
     sched = make("fifo")
     (reject,) = arrive(sched, "x", "gold", 10, 0.0)
-    assert reject == Reject("x", reject.reason)
+    assert reject == Reject("x", reject.reason, overload=False)
     assert "gold" in reject.reason and "critical" in reject.reason
     (reject,) = arrive(sched, "y", "critical", 0, 0.0)
     assert "prompt_tokens=0" in reject.reason
