@@ -126,10 +126,11 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
     return summaries
 
 
-def run_policy_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
+def run_policy_bench(cfg: PolicyBenchConfig, console: Console, loaded=None) -> dict:
+    """``loaded``: the model, when the caller has it already (a LoadedModel)."""
     from worker.models import load_model
 
-    loaded = load_model(cfg.model, device=cfg.device)
+    loaded = loaded or load_model(cfg.model, device=cfg.device)
     model = loaded.model
     tiers = load_tiers(cfg.tiers_file)
     context = model.config.max_position_embeddings

@@ -78,8 +78,9 @@ def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
     from tierflow.local_stack import LocalStack, StackConfig
     from worker.models import load_model
 
-    result = run_policy_bench(replace(cfg, policies=("flowprefill",), sweep_factors=()), console)
     loaded = load_model(cfg.model, device=cfg.device)
+    in_process = replace(cfg, policies=("flowprefill",), sweep_factors=())
+    result = run_policy_bench(in_process, console, loaded)
     tiers = load_tiers(cfg.tiers_file)
     workload = build_workload(cfg).clip_prompts(loaded.model.config.max_position_embeddings)
     stack_cfg = StackConfig(
