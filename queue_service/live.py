@@ -45,7 +45,6 @@ class LiveRequest:
         return self.record.request_id
 
     def timings(self, now: float) -> serving_pb2.Timings:
-        end = now
         ttft = (self.first_token_at - self.arrived_at) * 1000 if self.first_token_at else 0.0
         wait = (self.started_at - self.arrived_at) * 1000 if self.started_at else 0.0
         return serving_pb2.Timings(
@@ -53,7 +52,7 @@ class LiveRequest:
             prefill_ms=self.prefill_busy_ms,
             suspended_ms=self.suspended_s * 1000,
             ttft_ms=ttft,
-            total_ms=(end - self.arrived_at) * 1000,
+            total_ms=(now - self.arrived_at) * 1000,
             preemptions=self.preemptions,
         )
 

@@ -87,13 +87,14 @@ class TierflowClient:
         events = tuple(self.generate(prompt, **kwargs))
         by_kind = {e.WhichOneof("event"): e for e in events}
         done = by_kind["done"].done
-        first = by_kind["first_token"].first_token
+        # A retried request that had already finished is answered with its Done event alone.
+        first = by_kind["first_token"].first_token if "first_token" in by_kind else None
         return Completion(
             request_id=events[0].request_id,
             tier=by_kind["queued"].queued.tier if "queued" in by_kind else "",
-            first_token_text=first.text,
+            first_token_text=first.text if first else "",
             text=done.text,
-            ttft_ms=first.ttft_ms,
+            ttft_ms=first.ttft_ms if first else done.timings.ttft_ms,
             timings=done.timings,
             events=events,
         )
