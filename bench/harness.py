@@ -1,39 +1,39 @@
 """One policy, one workload, in one process: the real scheduler driving real engine threads.
 
-The main thread is the scheduler's event loop. It blocks on one queue that the engine runners
-fill with their events, with a timeout that expires exactly when the next arrival is due, so it
-wakes only on events (arrival, chunk done, first token, preemption acknowledged, done) and never
-polls. Each event goes through ``Scheduler.handle``; the commands that come back are applied to
-the runners at once (a Preempt raises the engine's preemption channel from this thread).
+The main thread is the scheduler's event loop, and it runs the queue service's own dispatch
+path (``queue_service.dispatcher``): each engine runner is a ``WorkerHandle`` and what it
+reports goes back as scheduler events. The loop blocks on one queue that the runners fill,
+with a timeout that expires exactly when the next arrival or wake-up is due, so it wakes only
+on events (arrival, progress, first token, preemption acknowledged, done, wake-up) and never
+polls. A Preempt raises the engine's preemption channel from this thread.
 
-Times: arrivals are replayed on the wall clock (``time.perf_counter``); TTFT is the first-token
-timestamp taken on the engine thread minus the arrival time.
+Times: arrivals are replayed on the wall clock (``time.perf_counter``) and each one arrives at
+its scheduled time (a late wake of this loop does not move its deadline); TTFT is the
+first-token timestamp taken on the engine thread minus that time.
 """
 
 from __future__ import annotations
 
+import heapq
 import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.workload import Arrival, Workload, prompt_ids
+from queue_service.dispatcher import Dispatcher
 from queue_service.scheduler import (
-    Assign,
-    Cancel,
-    Preempt,
+    Event,
     PreemptionAcked,
     PrefillFinished,
     PrefillProgress,
     Reject,
     RequestArrived,
     RequestDone,
-    Resume,
     Scheduler,
-    WorkerJoined,
 )
 from worker.engine import PrefillEngine
-from worker.events import ChunkDone, Failed, Finished, FirstToken, Preempted
+from worker.events import Failed, Finished, FirstToken, Preempted, Progress, RunnerEvent
 from worker.request import GenerationRequest
 from worker.runner import EngineRunner
 
@@ -63,6 +63,190 @@ class RunResult:
     preemption_latencies_s: list[float] = field(default_factory=list)
     busy_s: float = 0.0
     makespan_s: float = 0.0
+    decide_s: float = 0.0  # time spent in Scheduler.handle
+    events: int = 0  # events handed to the scheduler
+    progress_events: int = 0
+    prediction_errors: dict = field(default_factory=dict)  # PredictionErrors.summary()
+
+
+class InProcessWorker:
+    """A ``WorkerHandle`` over an engine runner in this process."""
+
+    def __init__(self, runner: EngineRunner, request_for: Callable[[str], GenerationRequest]):
+        self.runner = runner
+        self.request_for = request_for
+
+    def assign(self, request_id: str) -> None:
+        self.runner.assign(self.request_for(request_id))
+
+    def resume(self, request_id: str) -> None:
+        self.runner.resume(request_id)
+
+    def preempt(self, request_id: str, drop_state: bool) -> None:
+        self.runner.preempt(request_id, drop_state=drop_state)
+
+    def cancel(self, request_id: str) -> None:
+        self.runner.cancel(request_id)
+
+
+class HeapTimers:
+    """The dispatcher's wake-ups for a loop that sleeps until the next one is due."""
+
+    def __init__(self) -> None:
+        self._armed: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+
+    def set(self, request_id: str, at_s: float) -> None:
+        self._armed[request_id] = at_s
+        heapq.heappush(self._heap, (at_s, request_id))
+
+    def cancel(self, request_id: str) -> None:
+        self._armed.pop(request_id, None)
+
+    def next_at(self) -> float | None:
+        while self._heap and self._armed.get(self._heap[0][1]) != self._heap[0][0]:
+            heapq.heappop(self._heap)  # cancelled or moved
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now: float) -> list[str]:
+        due = []
+        while (at := self.next_at()) is not None and at <= now:
+            _, request_id = heapq.heappop(self._heap)
+            del self._armed[request_id]
+            due.append(request_id)
+        return due
+
+
+def scheduler_event(worker_id: str, event: RunnerEvent) -> Event | None:
+    """What a runner event means to the scheduler; None: nothing to decide."""
+    match event:
+        case Progress():
+            return PrefillProgress(
+                event.request_id, worker_id, event.tokens_done,
+                event.layers_done, event.num_layers, event.chunk_end,
+            )  # fmt: skip
+        case FirstToken():
+            return PrefillFinished(
+                event.request_id, worker_id, event.prompt_tokens, event.prefill_busy_s
+            )
+        case Preempted():
+            return PreemptionAcked(
+                event.request_id, worker_id, event.resume_point.tokens_done, event.state_dropped
+            )
+        case Finished() | Failed():
+            return RequestDone(event.request_id, worker_id)
+    return None  # Cancelled / TokenOut
+
+
+class _Run:
+    """One replay: the records it fills and the loop that drives the dispatcher."""
+
+    def __init__(self, scheduler, engines, workload, vocab_size, on_progress) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.records = {a.request_id: RequestRecord(a) for a in workload.arrivals}
+        self.result = RunResult(scheduler.policy.name, self.records)
+        self.pending = list(workload.arrivals)
+        self.unfinished = len(self.pending)
+        self.vocab_size = vocab_size
+        self.on_progress = on_progress
+        self.timers = HeapTimers()
+        self.start = time.perf_counter()
+        self.dispatcher = Dispatcher(
+            scheduler, self.timers, clock=self.now, on_reject=self._rejected
+        )
+        self.runners = {
+            f"w{i}": EngineRunner(engine, (lambda e, w=f"w{i}": self.events.put((w, e))), f"w{i}")
+            for i, engine in enumerate(engines)
+        }
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def request(self, request_id: str) -> GenerationRequest:
+        arrival = self.records[request_id].arrival
+        return GenerationRequest(
+            request_id,
+            prompt_ids(arrival, self.vocab_size),
+            max_new_tokens=arrival.max_new_tokens,
+            stop_at_eos=False,
+        )
+
+    def _rejected(self, reject: Reject) -> None:
+        self.records[reject.request_id].rejected = reject.reason
+        self.unfinished -= 1
+
+    def loop(self, max_idle_s: float) -> None:
+        for worker_id, runner in self.runners.items():
+            runner.start()
+            self.dispatcher.worker_joined(worker_id, InProcessWorker(runner, self.request))
+        while self.unfinished > 0:
+            try:
+                worker_id, event = self.events.get(timeout=self._timeout(max_idle_s))
+            except queue.Empty:
+                self._due(max_idle_s)
+                continue
+            self._record(event)
+            scheduler_event_ = scheduler_event(worker_id, event)
+            if scheduler_event_ is not None:
+                self.result.progress_events += isinstance(event, Progress)
+                self.dispatcher.handle(scheduler_event_)
+
+    def _timeout(self, max_idle_s: float) -> float:
+        due = [t for t in (self.timers.next_at(),) if t is not None]
+        if self.pending:
+            due.append(self.pending[0].at_s)
+        return max(0.0, min(due) - self.now()) if due else max_idle_s
+
+    def _due(self, max_idle_s: float) -> None:
+        """Nothing came from the engines before the next due time: arrivals and wake-ups."""
+        now = self.now()
+        if not self.pending and self.timers.next_at() is None:
+            raise TimeoutError(f"{self.unfinished} requests unfinished after idling")
+        for request_id in self.timers.pop_due(now):
+            self.dispatcher.fire_timer(request_id)
+        while self.pending and self.pending[0].at_s <= now:
+            self._arrive(self.pending.pop(0))
+
+    def _arrive(self, arrival: Arrival) -> None:
+        self.records[arrival.request_id].arrived_at = self.start + arrival.at_s
+        self.dispatcher.handle(
+            RequestArrived(
+                arrival.request_id,
+                arrival.tier,
+                arrival.prompt_tokens,
+                arrival.max_new_tokens,
+                arrival_s=arrival.at_s,
+            )
+        )
+
+    def _record(self, event: RunnerEvent) -> None:
+        record = self.records[event.request_id]
+        match event:
+            case FirstToken():
+                record.first_token_at = event.at
+                record.first_token = event.token_id
+            case Preempted():
+                record.preemptions += 1
+                record.recomputes += event.state_dropped
+                self.result.preemption_latencies_s.append(event.at - event.signalled_at)
+            case Finished() | Failed():
+                if isinstance(event, Failed):
+                    record.failed = event.error
+                else:
+                    record.busy_s = event.busy_s
+                    self.result.busy_s += event.busy_s
+                record.done_at = event.at
+                self.unfinished -= 1
+                self.on_progress()
+
+    def finish(self) -> RunResult:
+        for runner in self.runners.values():
+            runner.stop()
+        stats = self.dispatcher.stats
+        self.result.makespan_s = time.perf_counter() - self.start
+        self.result.decide_s, self.result.events = stats.decide_s, stats.events
+        self.result.prediction_errors = self.dispatcher.scheduler.prediction_errors.summary()
+        return self.result
 
 
 def run_policy(
@@ -74,109 +258,9 @@ def run_policy(
     on_progress: Callable[[], None] = lambda: None,
     max_idle_s: float = 600.0,
 ) -> RunResult:
-    events: queue.Queue = queue.Queue()
-    runners = {
-        f"w{i}": EngineRunner(engine, (lambda e, w=f"w{i}": events.put((w, e))), name=f"w{i}")
-        for i, engine in enumerate(engines)
-    }
-    for r in runners.values():
-        r.start()
-    records = {a.request_id: RequestRecord(a) for a in workload.arrivals}
-    result = RunResult(scheduler.policy.name, records)
-    started_on: dict[str, set[str]] = {w: set() for w in runners}  # requests a runner knows
-    pending = list(workload.arrivals)
-    unfinished = len(pending)
-    start = time.perf_counter()
-
-    def now() -> float:
-        return time.perf_counter() - start
-
-    def apply(commands) -> None:
-        nonlocal unfinished
-        for cmd in commands:
-            if isinstance(cmd, Assign):
-                runner = runners[cmd.worker_id]
-                if cmd.request_id in started_on[cmd.worker_id]:
-                    runner.resume(cmd.request_id)  # its state was dropped: recompute
-                else:
-                    started_on[cmd.worker_id].add(cmd.request_id)
-                    arrival = records[cmd.request_id].arrival
-                    runner.assign(
-                        GenerationRequest(
-                            cmd.request_id,
-                            prompt_ids(arrival, vocab_size),
-                            max_new_tokens=arrival.max_new_tokens,
-                            stop_at_eos=False,
-                        )
-                    )
-            elif isinstance(cmd, Resume):
-                runners[cmd.worker_id].resume(cmd.request_id)
-            elif isinstance(cmd, Preempt):
-                runners[cmd.worker_id].preempt(cmd.request_id, drop_state=cmd.drop_state)
-            elif isinstance(cmd, Cancel):
-                runners[cmd.worker_id].cancel(cmd.request_id)
-            elif isinstance(cmd, Reject):
-                records[cmd.request_id].rejected = cmd.reason
-                unfinished -= 1
-
+    run = _Run(scheduler, engines, workload, vocab_size, on_progress)
     try:
-        for worker_id in runners:
-            apply(scheduler.handle(WorkerJoined(worker_id), now()))
-        while unfinished > 0:
-            timeout = max_idle_s if not pending else max(0.0, pending[0].at_s - now())
-            try:
-                worker_id, event = events.get(timeout=timeout)
-            except queue.Empty:
-                if not pending:
-                    raise TimeoutError(f"{unfinished} requests unfinished after idling") from None
-                arrival = pending.pop(0)
-                records[arrival.request_id].arrived_at = time.perf_counter()
-                apply(
-                    scheduler.handle(
-                        RequestArrived(
-                            arrival.request_id,
-                            arrival.tier,
-                            arrival.prompt_tokens,
-                            arrival.max_new_tokens,
-                        ),
-                        now(),
-                    )
-                )
-                continue
-            record = records[event.request_id]
-            if isinstance(event, ChunkDone):
-                scheduler_event = PrefillProgress(event.request_id, worker_id, event.tokens_done)
-            elif isinstance(event, FirstToken):
-                record.first_token_at = event.at
-                record.first_token = event.token_id
-                scheduler_event = PrefillFinished(
-                    event.request_id, worker_id, event.prompt_tokens, event.prefill_busy_s
-                )
-            elif isinstance(event, Preempted):
-                record.preemptions += 1
-                record.recomputes += event.state_dropped
-                result.preemption_latencies_s.append(event.at - event.signalled_at)
-                scheduler_event = PreemptionAcked(
-                    event.request_id,
-                    worker_id,
-                    event.resume_point.tokens_done,
-                    event.state_dropped,
-                )
-            elif isinstance(event, Finished | Failed):
-                if isinstance(event, Failed):
-                    record.failed = event.error
-                else:
-                    record.busy_s = event.busy_s
-                    result.busy_s += event.busy_s
-                record.done_at = event.at
-                unfinished -= 1
-                on_progress()
-                scheduler_event = RequestDone(event.request_id, worker_id)
-            else:  # Cancelled / TokenOut: nothing for the scheduler to decide
-                continue
-            apply(scheduler.handle(scheduler_event, now()))
+        run.loop(max_idle_s)
     finally:
-        for r in runners.values():
-            r.stop()
-    result.makespan_s = time.perf_counter() - start
+        result = run.finish()
     return result

@@ -15,11 +15,17 @@ from worker.task import ResumePoint
 
 
 @dataclass(frozen=True)
-class ChunkDone:
+class Progress:
+    """``tokens_done`` prompt tokens went through every layer; within the chunk that ends at
+    ``chunk_end``, ``layers_done`` of ``num_layers`` layers ran (0 at a chunk end)."""
+
     request_id: str
     tokens_done: int
     prompt_tokens: int
     at: float
+    layers_done: int = 0
+    num_layers: int = 1
+    chunk_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,4 +77,4 @@ class Failed:
     at: float
 
 
-RunnerEvent = ChunkDone | FirstToken | TokenOut | Preempted | Finished | Cancelled | Failed
+RunnerEvent = Progress | FirstToken | TokenOut | Preempted | Finished | Cancelled | Failed

@@ -25,11 +25,11 @@ import torch
 from worker.engine import PrefillEngine, RunOutcome, RunStatus
 from worker.events import (
     Cancelled,
-    ChunkDone,
     Failed,
     Finished,
     FirstToken,
     Preempted,
+    Progress,
     RunnerEvent,
     TokenOut,
 )
@@ -52,8 +52,18 @@ class _Listener:
 
     def on_chunk_done(self, task: Task, tokens_done: int) -> None:
         self.runner.emit(
-            ChunkDone(task.request_id, tokens_done, task.prompt_len, time.perf_counter())
+            Progress(task.request_id, tokens_done, task.prompt_len, time.perf_counter())
         )
+
+    def on_layers_done(self, task: Task, chunk: int, layers_done: int) -> None:
+        start, end = task.chunks[chunk]
+        n_layers = len(self.runner.engine.layers)
+        self.runner.emit(
+            Progress(
+                task.request_id, start, task.prompt_len, time.perf_counter(),
+                layers_done, n_layers, end,
+            )
+        )  # fmt: skip
 
     def on_first_token(self, task: Task, token_id: int, logits: torch.Tensor) -> None:
         now = time.perf_counter()
@@ -96,6 +106,13 @@ class EngineRunner:
         self._thread.join()
 
     def assign(self, request: GenerationRequest) -> None:
+        """Queue a new request; one this runner holds already (its state was dropped for
+        recompute) runs again from token 0."""
+        with self._lock:
+            known = request.request_id in self._tasks
+        if known:
+            self._work.put(("run", request.request_id))
+            return
         try:
             task = self.engine.new_task(request)
         except InvalidRequestError as exc:

@@ -12,11 +12,11 @@ from tierflow.v1 import worker_pb2
 from worker.engine import PrefillEngine
 from worker.events import (
     Cancelled,
-    ChunkDone,
     Failed,
     Finished,
     FirstToken,
     Preempted,
+    Progress,
     RunnerEvent,
     TokenOut,
 )
@@ -55,12 +55,15 @@ def request_from_assign(assign: worker_pb2.Assign) -> GenerationRequest:
 def event_message(event: RunnerEvent) -> worker_pb2.WorkerMessage:
     """The wire message for one runner event. Times go up as milliseconds."""
     match event:
-        case ChunkDone():
+        case Progress():
             return worker_pb2.WorkerMessage(
                 progress=worker_pb2.Progress(
                     request_id=event.request_id,
                     tokens_done=event.tokens_done,
                     prompt_tokens=event.prompt_tokens,
+                    layers_done=event.layers_done,
+                    num_layers=event.num_layers,
+                    chunk_end=event.chunk_end,
                 )
             )
         case FirstToken():

@@ -10,6 +10,7 @@ Events in (``events``), commands out; ``policies`` hold the ordering and preempt
 from queue_service.scheduler.events import (
     Assign,
     Cancel,
+    CancelTimer,
     Command,
     Event,
     Preempt,
@@ -21,6 +22,8 @@ from queue_service.scheduler.events import (
     RequestCancelled,
     RequestDone,
     Resume,
+    SetTimer,
+    TimerFired,
     WorkerJoined,
     WorkerLeft,
 )
@@ -30,11 +33,13 @@ from queue_service.scheduler.policies import (
     EngineCheck,
     Fifo,
     FlowPrefill,
+    Outlook,
     Priority,
     Recompute,
     SchedulingPolicy,
     make_policy,
 )
+from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
 from queue_service.scheduler.request import Request, RequestState
 from queue_service.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -43,12 +48,15 @@ __all__ = [
     "POLICIES",
     "Assign",
     "Cancel",
+    "CancelTimer",
     "Chunked",
     "Command",
     "EngineCheck",
     "Event",
     "Fifo",
     "FlowPrefill",
+    "Outlook",
+    "PredictionErrors",
     "Preempt",
     "PreemptionAcked",
     "PrefillFinished",
@@ -67,6 +75,8 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulingPolicy",
+    "SetTimer",
+    "TimerFired",
     "WorkerJoined",
     "WorkerLeft",
     "make_policy",

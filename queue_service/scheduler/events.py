@@ -14,21 +14,38 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RequestArrived:
-    """A client request was admitted by the gateway. Its arrival time is the ``now`` of handle()."""
+    """A client request was admitted by the gateway.
+
+    ``arrival_s``: when it was admitted, on the scheduler's clock; its deadline counts from
+    there. A request held in Kafka, or redelivered after a restart, arrives late at the
+    scheduler but keeps its original deadline. None: the ``now`` of handle(). A value after
+    ``now`` is clamped to ``now``.
+    """
 
     request_id: str
     tier: str
     prompt_tokens: int
     max_new_tokens: int = 0
+    arrival_s: float | None = None
 
 
 @dataclass(frozen=True)
 class PrefillProgress:
-    """A worker finished a chunk. Informational: updates the estimate, decides nothing."""
+    """How far a running prefill is: ``tokens_done`` prompt tokens through every layer, and
+    ``layers_done`` of ``num_layers`` layers through the chunk that ends at ``chunk_end``.
+
+    Sent at chunk ends (``layers_done`` 0) and, from engines that report it, every few layers
+    within a chunk, so the estimate of what is left is corrected during a long chunk. Each
+    report is a decision point: a request that chose to wait on an older estimate may now need
+    a preemption.
+    """
 
     request_id: str
     worker_id: str
     tokens_done: int
+    layers_done: int = 0
+    num_layers: int = 1
+    chunk_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,14 @@ class RequestCancelled:
 
 
 @dataclass(frozen=True)
+class TimerFired:
+    """A wake-up the scheduler asked for (``SetTimer``) is due. The dispatcher fires it at or
+    after ``SetTimer.at_s``; a timer that was replaced or cancelled meanwhile is ignored."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class WorkerJoined:
     worker_id: str
 
@@ -89,6 +114,7 @@ Event = (
     | RequestDone
     | PreemptionAcked
     | RequestCancelled
+    | TimerFired
     | WorkerJoined
     | WorkerLeft
 )
@@ -139,4 +165,21 @@ class Reject:
     overload: bool = False
 
 
-Command = Assign | Preempt | Resume | Cancel | Reject
+@dataclass(frozen=True)
+class SetTimer:
+    """Send ``TimerFired(request_id)`` at ``at_s`` (the scheduler's clock), replacing the
+    request's previous timer. The scheduler sets one when a request waits on a prediction: at
+    the last moment a preemption still saves its deadline, it decides again."""
+
+    request_id: str
+    at_s: float
+
+
+@dataclass(frozen=True)
+class CancelTimer:
+    """The request's timer is no longer needed (it started, finished or was cancelled)."""
+
+    request_id: str
+
+
+Command = Assign | Preempt | Resume | Cancel | Reject | SetTimer | CancelTimer

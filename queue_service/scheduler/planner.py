@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from queue_service.scheduler.policies import SchedulingPolicy, SortKey
+from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
+from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.predictor import PrefillTimePredictor
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 
@@ -24,11 +25,14 @@ class Estimator:
 
     predictor: PrefillTimePredictor
     decode_s_per_token: float
+    errors: PredictionErrors
 
     def prefill_left(self, req: Request, now: float) -> float:
         if req.prefilled:
             return 0.0
-        left = self.predictor.predict(req.prompt_tokens, req.tokens_done)
+        left = self.predictor.predict_partial(
+            req.prompt_tokens, req.tokens_done, req.chunk_end, req.chunk_fraction
+        )
         if req.state in (RequestState.RUNNING, RequestState.PREEMPTING):
             # Between progress reports the worker keeps computing.
             left = max(0.0, left - (now - req.progress_at_s))
@@ -185,6 +189,7 @@ def _pick_victim(
     now: float,
 ) -> Request | None:
     waiting_left = estimator.prefill_left(req, now)
+    margin = estimator.errors.margin()
     eligible: list[tuple[SortKey, Request]] = []
     for worker_id, running in victims.items():
         if pinned is not None and worker_id != pinned:
@@ -195,18 +200,30 @@ def _pick_victim(
             if held >= rules.max_suspended_per_worker:
                 continue
         running_left = estimator.prefill_left(running, now)
-        if policy.should_preempt(
-            req,
-            running,
-            now,
-            waiting_remaining_s=waiting_left,
-            running_remaining_s=running_left,
-            wait_s=wait_s,
-        ):
+        outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due)
+        if policy.should_preempt(req, running, now, outlook):
             eligible.append((policy.victim_key(running, now, running_left, busy_s), running))
     if not eligible:
         return None
     return min(eligible, key=lambda kv: kv[0])[1]
+
+
+def wakeups(
+    waiting: Iterable[Request], policy: SchedulingPolicy, estimator: Estimator, now: float
+) -> dict[str, float]:
+    """Request id -> when it must be reconsidered at the latest, for requests that wait on a
+    prediction (the policy's ``latest_start_s``). A request whose wake-up fired has none."""
+    if not policy.preempts:
+        return {}
+    margin = estimator.errors.margin()
+    times: dict[str, float] = {}
+    for req in waiting:
+        if req.due:
+            continue
+        at = policy.latest_start_s(req, now, estimator.prefill_left(req, now), margin)
+        if at is not None:
+            times[req.request_id] = at
+    return times
 
 
 def predicted_wait_s(

@@ -10,22 +10,26 @@ engine per policy from the policy object alone:
   ``preempts``      whether the policy ever issues Preempt
   ``drop_state``    whether its Preempt asks the worker to drop the KV state (recompute later)
 
-Policies (DESIGN.md, "Baseline policies"):
+Policies (docs/design.md, "Scheduling"):
   fifo         arrival order, never preempts
   priority     strict tier rank, then arrival; never preempts
   chunked      tier order; preempts on any strictly higher waiting tier; the engine switches at
                the next chunk boundary (vLLM/Sarathi-style); state kept
   recompute    tier order; preempts on any strictly higher waiting tier, dropping the state
                (SGLang/vLLM recompute-style); the engine stops at the next layer
-  flowprefill  slack-aware EDF; preempts only when a waiting request outranks the running one
-               AND would miss its SLO by waiting AND can still make it if started now; the
-               engine stops at the next layer; state kept
+  flowprefill  EDF over deadlines, late work re-deadlined within its tier (see ``FlowPrefill``);
+               preempts only when a waiting request outranks the running one AND would miss
+               its SLO by waiting (predictions inflated by the predictor's observed error), or
+               is late already, or its wake-up fired; the engine stops at the next layer;
+               state kept. A request that waits on a prediction gets a wake-up at the last
+               moment a preemption still saves it (``latest_start_s``).
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from queue_service.scheduler.request import Request
@@ -37,6 +41,17 @@ SortKey = tuple[float, ...]
 def slack_s(req: Request, now: float, remaining_s: float) -> float:
     """Seconds to spare before the TTFT deadline if the rest of the prefill ran from now."""
     return req.deadline_s - now - remaining_s
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What the planner predicts for one waiting request against one running request."""
+
+    waiting_remaining_s: float  # predicted prefill left of the waiting request
+    running_remaining_s: float  # predicted prefill left of the running request
+    wait_s: float  # predicted time until the waiting one starts if nothing is preempted
+    margin: float = 0.0  # relative error to allow on predicted times (predictor's p95)
+    due: bool = False  # the waiting request's wake-up fired: predictions failed it once
 
 
 class SchedulingPolicy(ABC):
@@ -53,21 +68,19 @@ class SchedulingPolicy(ABC):
         """
 
     def should_preempt(
-        self,
-        waiting: Request,
-        running: Request,
-        now: float,
-        *,
-        waiting_remaining_s: float,
-        running_remaining_s: float,
-        wait_s: float,
+        self, waiting: Request, running: Request, now: float, outlook: Outlook
     ) -> bool:
         """Whether ``waiting`` justifies preempting ``running``.
 
-        ``wait_s``: predicted time until ``waiting`` would start if nothing were preempted.
         The scheduler has already excluded running requests that may not be preempted.
         """
         return False
+
+    def latest_start_s(
+        self, req: Request, now: float, remaining_s: float, margin: float
+    ) -> float | None:
+        """When a waiting request must be reconsidered at the latest (a wake-up), or None."""
+        return None
 
     def victim_key(
         self, running: Request, now: float, remaining_s: float, delay_s: float
@@ -107,14 +120,7 @@ class Chunked(Priority):
     preempts = True
 
     def should_preempt(
-        self,
-        waiting: Request,
-        running: Request,
-        now: float,
-        *,
-        waiting_remaining_s: float,
-        running_remaining_s: float,
-        wait_s: float,
+        self, waiting: Request, running: Request, now: float, outlook: Outlook
     ) -> bool:
         return waiting.tier.rank < running.tier.rank
 
@@ -134,68 +140,65 @@ class Recompute(Chunked):
 
 
 class FlowPrefill(SchedulingPolicy):
-    """Slack-aware EDF with preemption only when it saves a deadline.
+    """Deadline order that keeps tiers under overload, preempting only when it saves a deadline.
 
-    ``switch_s``: expected time for a preemption to take effect (about one layer); a newcomer
-    that could not make its deadline even after that is not worth a preemption.
+    Order (``key``): a request that can still make its TTFT deadline ranks by that deadline
+    (EDF). A late one (predicted to miss it) is re-deadlined one SLO of its own tier from now:
+    it goes after every on-time request of its tier (those can still be saved), but a late
+    critical request (now + 0.3 s) still goes before batch work due in minutes, and a late
+    standard request (now + 3 s) never before a critical request that can make its deadline.
+    A decoding request (first token out) keeps its tier's urgency the same way.
+
+    Preemption (``should_preempt``), only of a request ranked behind the waiting one: when the
+    waiting request would miss its deadline by waiting, with predictions inflated by the
+    predictor's observed error margin; when it is late already (waiting only adds to its
+    TTFT); or when its wake-up fired (it waited on a prediction that turned out wrong).
+
+    ``switch_s``: expected time for a preemption to take effect (about one layer).
     """
 
     name = "flowprefill"
     engine_check = "layer"
     preempts = True
 
-    def __init__(
-        self, switch_s: float = 0.0, wait_margin: float = 0.2, late_grace: float = 1.0
-    ) -> None:
+    def __init__(self, switch_s: float = 0.0) -> None:
         if not switch_s >= 0:
             raise ValueError(f"switch_s must be >= 0, got {switch_s!r}")
-        if not 0 <= wait_margin < 1:
-            raise ValueError(f"wait_margin must be in [0, 1), got {wait_margin!r}")
         self.switch_s = switch_s
-        # A request only waits (instead of preempting) when it is predicted to be done
-        # within (1 - wait_margin) of its SLO: predictions err, and more urgent arrivals may
-        # cut in while it waits. The spare part of the SLO absorbs that.
-        self.wait_margin = wait_margin
-        if not late_grace >= 0:
-            raise ValueError(f"late_grace must be >= 0, got {late_grace!r}")
-        # Only a request that will be late by more than late_grace x its SLO counts as hopeless
-        # and goes behind the others: one that misses by a few milliseconds still goes first
-        # (behind a batch document, "will miss anyway" would turn 20 ms late into seconds).
-        self.late_grace = late_grace
 
     def key(self, req: Request, now: float, remaining_s: float) -> SortKey:
-        # Requests that can still make their deadline go first, earliest deadline first; those
-        # that will miss it by far go after them, still in deadline order, and still complete.
         if req.prefilled:
-            # Decoding (its first token is out): it yields to any request whose TTFT deadline
-            # falls within one of its own tier's SLOs from now (ties go to the newcomer), but
-            # not to lower-tier work with time to spare, such as a fresh batch document.
-            return (0.0, now + req.tier.ttft_slo_s, math.inf)
-        hopeless = slack_s(req, now, remaining_s) < -self.late_grace * req.tier.ttft_slo_s
-        return (float(hopeless), req.deadline_s, req.seq)
+            # Ties go to the newcomer: a decoding request yields to a prefill due as soon.
+            return (now + req.tier.ttft_slo_s, math.inf, math.inf)
+        if slack_s(req, now, remaining_s) >= 0:
+            return (req.deadline_s, req.deadline_s, req.seq)
+        return (now + req.tier.ttft_slo_s, req.deadline_s, req.seq)
 
     def should_preempt(
-        self,
-        waiting: Request,
-        running: Request,
-        now: float,
-        *,
-        waiting_remaining_s: float,
-        running_remaining_s: float,
-        wait_s: float,
+        self, waiting: Request, running: Request, now: float, outlook: Outlook
     ) -> bool:
         if waiting.prefilled:
             return False  # its TTFT is behind it: no deadline to save
-        if slack_s(waiting, now + self.switch_s, waiting_remaining_s) < 0:
-            return False  # misses even if started now: preempting would not help
-        margin = self.wait_margin * waiting.tier.ttft_slo_s
-        if now + wait_s + waiting_remaining_s <= waiting.deadline_s - margin:
-            return False  # makes its SLO by waiting, with margin: never preempt for it
         # Same order as the queue: a request preempted for another must not rank first again
         # once the worker is free (that would be a preempt/resume loop).
-        return self.key(waiting, now, waiting_remaining_s) < self.key(
-            running, now, running_remaining_s
-        )
+        if not self.key(waiting, now, outlook.waiting_remaining_s) < self.key(
+            running, now, outlook.running_remaining_s
+        ):
+            return False
+        if outlook.due:
+            return True
+        if slack_s(waiting, now + self.switch_s, outlook.waiting_remaining_s) < 0:
+            return outlook.wait_s > self.switch_s  # late: only if stopping it saves time
+        inflated = (outlook.wait_s + outlook.waiting_remaining_s) * (1 + outlook.margin)
+        return now + inflated + self.switch_s > waiting.deadline_s
+
+    def latest_start_s(
+        self, req: Request, now: float, remaining_s: float, margin: float
+    ) -> float | None:
+        if req.prefilled:
+            return None
+        latest = req.deadline_s - remaining_s * (1 + margin) - self.switch_s
+        return latest if latest > now else None  # late already: nothing left to wait for
 
     def victim_key(
         self, running: Request, now: float, remaining_s: float, delay_s: float
@@ -207,10 +210,7 @@ class FlowPrefill(SchedulingPolicy):
         return (float(loses), -slack, -running.tier.rank, running.tokens_done, -running.seq)
 
     def __repr__(self) -> str:
-        return (
-            f"FlowPrefill(switch_s={self.switch_s}, wait_margin={self.wait_margin}, "
-            f"late_grace={self.late_grace})"
-        )
+        return f"FlowPrefill(switch_s={self.switch_s})"
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {

@@ -119,6 +119,19 @@ class PrefillTimePredictor:
         a, b, c = self._coef
         return a * (prompt_tokens - d) + b * (prompt_tokens * prompt_tokens - d * d) + c
 
+    def predict_partial(
+        self, prompt_tokens: int, tokens_done: int, chunk_end: int, chunk_fraction: float
+    ) -> float:
+        """Like ``predict``, for a run stopped ``chunk_fraction`` of the way (in layers)
+        through the chunk [tokens_done, chunk_end): that share of the chunk's work is done."""
+        left = self.predict(prompt_tokens, tokens_done)
+        if chunk_fraction <= 0 or chunk_end <= tokens_done:
+            return left
+        a, b, _ = self._coef
+        end = min(chunk_end, prompt_tokens)
+        chunk = a * (end - tokens_done) + b * (end * end - tokens_done * tokens_done)
+        return max(0.0, left - min(chunk_fraction, 1.0) * chunk)
+
     def fit(self, samples: Iterable[PrefillSample]) -> PrefillTimePredictor:
         """Replace the window with ``samples`` (the newest ``window`` of them) and refit."""
         samples = list(samples)

@@ -38,6 +38,10 @@ class Request:
     seq: int = 0  # admission order: the tie-break that keeps every ordering total
     state: RequestState = RequestState.QUEUED
     tokens_done: int = 0  # prompt tokens whose state exists (on worker_id)
+    # Within the chunk [tokens_done, chunk_end): the fraction of its layers already computed
+    # (per-layer progress reports). 0 when only chunk ends are known.
+    chunk_end: int = 0
+    chunk_fraction: float = 0.0
     prefilled: bool = False  # first token sent and the state still exists: decoding
     worker_id: str | None = None  # running it, or holding its suspended state
     preemptions: int = 0
@@ -45,6 +49,14 @@ class Request:
     # subtracts the time spent since, so a silent worker does not freeze the estimate.
     progress_at_s: float = 0.0
     first_token_s: float | None = None
+    # The wake-up asked for while it waits on a prediction (SetTimer), and whether it fired: a
+    # request whose wake-up fired no longer waits on predictions, it preempts when it may.
+    timer_at_s: float | None = None
+    due: bool = False
+    # Prefill time predicted when it first started, to measure the predictor's error; None
+    # once a restart from scratch makes the measured time incomparable.
+    predicted_prefill_s: float | None = None
+    restarted: bool = False
 
     @property
     def deadline_s(self) -> float:
@@ -58,8 +70,11 @@ class Request:
         """Its state is gone (dropped by the worker, or the worker left): back to the queue."""
         self.state = RequestState.QUEUED
         self.tokens_done = 0
+        self.chunk_end = 0
+        self.chunk_fraction = 0.0
         self.prefilled = False
         self.worker_id = None
+        self.restarted = True
 
 
 @dataclass

@@ -13,6 +13,11 @@ Contracts with the worker side:
   treats the worker as free at once, and the worker starts the next Assign when it has stopped.
 - Events naming a worker that no longer holds the request are stale and ignored (races
   between a Preempt and the end of a prefill, a worker that left, a cancelled request).
+
+Contract with the dispatcher: ``SetTimer(rid, at_s)`` arms (or moves) the request's one timer,
+``CancelTimer(rid)`` disarms it; the dispatcher hands ``TimerFired(rid)`` back at or after
+``at_s``. Timers are how a request that chose to wait on a prediction is reconsidered at the
+last moment a preemption still saves its deadline, even if no other event comes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from queue_service.scheduler import planner
 from queue_service.scheduler.events import (
     Assign,
     Cancel,
+    CancelTimer,
     Command,
     Event,
     Preempt,
@@ -39,10 +45,13 @@ from queue_service.scheduler.events import (
     RequestCancelled,
     RequestDone,
     Resume,
+    SetTimer,
+    TimerFired,
     WorkerJoined,
     WorkerLeft,
 )
 from queue_service.scheduler.policies import SchedulingPolicy, make_policy
+from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
 from queue_service.scheduler.request import ON_WORKER, Request, RequestState, WorkerSlot
 from tierflow.tiers import TierTable
@@ -67,6 +76,11 @@ class SchedulerConfig:
     decode_s_per_token: float = 0.05
     # Refit the prefill predictor from every PrefillFinished.
     refit_predictor: bool = True
+    # Relative margin on predicted times until the predictor's own error is known (20
+    # measured prefills); after that the margin is the p95 of its under-estimates.
+    default_prediction_margin: float = 0.2
+    # A wake-up is moved only when its time changes by more than this.
+    timer_resolution_s: float = 0.001
     # Terminal request ids remembered so that a redelivered arrival is ignored.
     remember_finished: int = 100_000
 
@@ -74,7 +88,13 @@ class SchedulerConfig:
         for name in ("max_preemptions", "max_queued_sheddable", "max_suspended_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("starvation_s", "max_predicted_wait_s", "decode_s_per_token"):
+        for name in (
+            "starvation_s",
+            "max_predicted_wait_s",
+            "decode_s_per_token",
+            "default_prediction_margin",
+            "timer_resolution_s",
+        ):
             value = getattr(self, name)
             if math.isnan(value) or value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
@@ -94,7 +114,12 @@ class Scheduler:
         self.tiers = tiers
         self.predictor = predictor if predictor is not None else PrefillTimePredictor()
         self.config = config if config is not None else SchedulerConfig()
-        self._estimator = planner.Estimator(self.predictor, self.config.decode_s_per_token)
+        self.prediction_errors = PredictionErrors(
+            default_margin=self.config.default_prediction_margin
+        )
+        self._estimator = planner.Estimator(
+            self.predictor, self.config.decode_s_per_token, self.prediction_errors
+        )
         self._rules = planner.Rules(
             starvation_s=self.config.starvation_s,
             max_preemptions=self.config.max_preemptions,
@@ -103,6 +128,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # live: not yet terminal
         self._finished: OrderedDict[str, RequestState] = OrderedDict()
         self._workers: dict[str, WorkerSlot] = {}  # in join order
+        self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._seq = 0
         self._worker_seq = 0
         self._counters: Counter[str] = Counter()
@@ -113,6 +139,7 @@ class Scheduler:
             RequestDone: self._on_done,
             PreemptionAcked: self._on_preemption_acked,
             RequestCancelled: self._on_cancelled,
+            TimerFired: self._on_timer_fired,
             WorkerJoined: self._on_worker_joined,
             WorkerLeft: self._on_worker_left,
         }
@@ -151,10 +178,11 @@ class Scheduler:
             if reason is not None:
                 return self._reject(rid, reason, overload=True)
         self._seq += 1
+        arrival_s = now if ev.arrival_s is None else min(ev.arrival_s, now)
         self._requests[rid] = Request(
             request_id=rid,
             tier=tier,
-            arrival_s=now,
+            arrival_s=arrival_s,
             prompt_tokens=ev.prompt_tokens,
             max_new_tokens=ev.max_new_tokens,
             seq=self._seq,
@@ -163,14 +191,18 @@ class Scheduler:
         return self._schedule(now)
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
-        # A chunk is done: the estimate of what is left gets sharper, and a request that chose
-        # to wait on the old estimate may now need a preemption after all. Still event-driven:
-        # one decision per chunk report, never on a timer.
+        # The estimate of what is left gets sharper, and a request that chose to wait on the
+        # old estimate may now need a preemption after all.
         req = self._on_worker(ev.request_id, ev.worker_id)
         if req is None or req.prefilled:
             return []
         req.tokens_done = max(req.tokens_done, min(ev.tokens_done, req.prompt_tokens))
+        within_chunk = ev.layers_done > 0 and ev.chunk_end > req.tokens_done
+        req.chunk_end = ev.chunk_end if within_chunk else 0
+        req.chunk_fraction = ev.layers_done / max(1, ev.num_layers) if within_chunk else 0.0
         req.progress_at_s = now
+        if not any(r.waiting for r in self._requests.values()):
+            return []  # nobody waits on this estimate: nothing to decide
         return self._schedule(now)
 
     def _on_prefill_finished(self, ev: PrefillFinished, now: float) -> list[Command]:
@@ -185,6 +217,9 @@ class Scheduler:
             # A PREEMPTING one stays so: the engine also stops decode at its next check.
             req.state = RequestState.DECODING
             req.progress_at_s = now
+        if req.predicted_prefill_s is not None and not req.restarted:
+            # Out of sample: the prediction was made before this run refits the predictor.
+            self.prediction_errors.observe(req.predicted_prefill_s, ev.prefill_s)
         if self.config.refit_predictor and ev.tokens >= 1 and ev.prefill_s > 0:
             self.predictor.observe(PrefillSample(ev.tokens, 0, ev.prefill_s))
         # Its first token is out, so it is now a cheap victim: a decision point.
@@ -232,6 +267,15 @@ class Scheduler:
         self._finish(req, RequestState.CANCELLED)
         return commands + self._schedule(now)
 
+    def _on_timer_fired(self, ev: TimerFired, now: float) -> list[Command]:
+        req = self._requests.get(ev.request_id)
+        if ev.request_id not in self._timers or req is None or not req.waiting:
+            return []  # cancelled or moved meanwhile: stale
+        del self._timers[ev.request_id]
+        req.due = True  # from now on it preempts whenever its rank allows
+        self._counters["timers_fired"] += 1
+        return self._schedule(now)
+
     def _on_worker_joined(self, ev: WorkerJoined, now: float) -> list[Command]:
         if ev.worker_id in self._workers:
             return []
@@ -275,6 +319,22 @@ class Scheduler:
                 now,
             ):
                 commands.append(self._preempt(victim, beneficiary))
+        return commands + self._reconcile_timers(now)
+
+    def _reconcile_timers(self, now: float) -> list[Command]:
+        """Arm, move or disarm wake-ups so that exactly the waiting requests that wait on a
+        prediction have one, at the policy's latest start."""
+        waiting = (r for r in self._requests.values() if r.waiting)
+        wanted = planner.wakeups(waiting, self.policy, self._estimator, now)
+        commands: list[Command] = []
+        for rid in [r for r in self._timers if r not in wanted]:
+            del self._timers[rid]
+            commands.append(CancelTimer(rid))
+        for rid, at in wanted.items():
+            armed = self._timers.get(rid)
+            if armed is None or abs(armed - at) > self.config.timer_resolution_s:
+                self._timers[rid] = at
+                commands.append(SetTimer(rid, at))
         return commands
 
     def _start(self, req: Request, worker: WorkerSlot, now: float) -> Command:
@@ -284,10 +344,13 @@ class Scheduler:
         req.state = RequestState.DECODING if req.prefilled else RequestState.RUNNING
         req.worker_id = worker.worker_id
         req.progress_at_s = now
+        req.due = False
         worker.active = req.request_id
         if resume:
             self._counters["resumes"] += 1
             return Resume(req.request_id, worker.worker_id)
+        if req.predicted_prefill_s is None:
+            req.predicted_prefill_s = self.predictor.predict(req.prompt_tokens)
         self._counters["assigns"] += 1
         return Assign(req.request_id, worker.worker_id)
 
@@ -377,6 +440,10 @@ class Scheduler:
 
     def live_requests(self) -> int:
         return len(self._requests)
+
+    def timers(self) -> dict[str, float]:
+        """Request id -> the wake-up armed for it."""
+        return dict(self._timers)
 
     @property
     def counters(self) -> dict[str, int]:

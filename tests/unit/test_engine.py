@@ -24,9 +24,13 @@ class Recorder:
         self.first_logits: torch.Tensor | None = None
         self.tokens: list[int] = []
         self.progress: list[int] = []
+        self.layer_progress: list[tuple[int, int]] = []  # (chunk, layers done)
 
     def on_chunk_done(self, task, tokens_done):
         self.progress.append(tokens_done)
+
+    def on_layers_done(self, task, chunk, layers_done):
+        self.layer_progress.append((chunk, layers_done))
 
     def on_first_token(self, task, token_id, logits):
         self.first_logits = logits.clone()
@@ -294,6 +298,21 @@ def test_progress_is_reported_per_chunk(tiny_llama):
     engine.run(task, PreemptionChannel(), recorder)
     assert recorder.progress == [30, 60, 90]  # the last chunk's end is the first-token event
     assert len(recorder.tokens) == 1
+
+
+@pytest.mark.parametrize("every", [0, 1, 2])
+def test_progress_is_reported_every_few_layers_inside_a_chunk(tiny_llama, every):
+    engine = PrefillEngine(
+        tiny_llama.model, EngineConfig(chunk_size=60, progress_every_layers=every)
+    )
+    n_layers = len(engine.layers)
+    recorder = Recorder()
+    task = engine.new_task(GenerationRequest("p", prompt(100, 500, seed=4)))
+    engine.run(task, PreemptionChannel(), recorder)
+    # Inside each chunk, every ``every`` layers but the last (the chunk end reports that).
+    inside = [k for k in range(1, n_layers) if every and k % every == 0]
+    assert recorder.layer_progress == [(c, k) for c in (0, 1) for k in inside]
+    assert recorder.progress == [60]
 
 
 def test_chunk_only_check_stops_at_chunk_boundary(tiny_llama):

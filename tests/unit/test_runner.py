@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from worker.engine import EngineConfig, PrefillEngine
-from worker.events import Cancelled, ChunkDone, Failed, Finished, FirstToken, Preempted
+from worker.events import Cancelled, Failed, Finished, FirstToken, Preempted, Progress
 from worker.request import GenerationRequest
 from worker.runner import EngineRunner
 
 
 class Gate:
-    """Holds the engine thread inside its first ChunkDone callback of ``request_id`` until
+    """Holds the engine thread inside its first Progress callback of ``request_id`` until
     the test releases it, so a preemption sent meanwhile lands mid-prefill deterministically."""
 
     def __init__(self) -> None:
@@ -29,7 +29,7 @@ class Gate:
         self.release.clear()
 
     def __call__(self, event) -> None:
-        if isinstance(event, ChunkDone) and event.request_id == self.request_id:
+        if isinstance(event, Progress) and event.request_id == self.request_id:
             self.request_id = None
             self.reached.set()
             assert self.release.wait(30)

@@ -12,6 +12,7 @@ import pytest
 from queue_service.scheduler import (
     Assign,
     Cancel,
+    CancelTimer,
     Preempt,
     PreemptionAcked,
     PrefillFinished,
@@ -25,6 +26,8 @@ from queue_service.scheduler import (
     Resume,
     Scheduler,
     SchedulerConfig,
+    SetTimer,
+    TimerFired,
     WorkerJoined,
     WorkerLeft,
     make_policy,
@@ -44,25 +47,34 @@ def make(policy: str, workers: int = 1, **config) -> Scheduler:
         SchedulerConfig(**config),
     )
     for i in range(workers):
-        assert sched.handle(WorkerJoined(f"w{i}"), 0.0) == []
+        assert step(sched, WorkerJoined(f"w{i}"), 0.0) == []
     return sched
 
 
 def arrive(sched, rid, tier, tokens, now, new_tokens=0):
-    return sched.handle(RequestArrived(rid, tier, tokens, new_tokens), now)
+    return decisions(sched.handle(RequestArrived(rid, tier, tokens, new_tokens), now))
+
+
+def step(sched: Scheduler, event, now: float) -> list:
+    return decisions(sched.handle(event, now))
+
+
+def decisions(commands: list) -> list:
+    """The commands that act on requests: timers left out (tests of timers check those)."""
+    return [c for c in commands if not isinstance(c, SetTimer | CancelTimer)]
 
 
 def drain_order(sched: Scheduler, now: float) -> list[str]:
     """Join one worker to a scheduler with none, finish each assigned request, record order."""
     order = []
-    commands = sched.handle(WorkerJoined("w0"), now)
+    commands = decisions(sched.handle(WorkerJoined("w0"), now))
     while commands:
         assert not any(isinstance(c, Preempt) for c in commands), commands
         (assign,) = commands
         assert isinstance(assign, Assign)
         order.append(assign.request_id)
         now += 0.01
-        commands = sched.handle(RequestDone(assign.request_id, "w0"), now)
+        commands = decisions(sched.handle(RequestDone(assign.request_id, "w0"), now))
     return order
 
 
@@ -89,15 +101,24 @@ def test_tier_policies_order_by_rank_then_arrival(policy):
     assert drain_order(sched, 0.4) == ["c1", "c2", "s1", "b1"]
 
 
-def test_flowprefill_orders_by_deadline_with_negative_slack_last():
+def test_flowprefill_a_late_request_goes_after_on_time_work_of_its_tier_only():
     sched = make("flowprefill", workers=0)
     arrive(sched, "s1", "standard", 100, 0.0)  # deadline 5.0
-    arrive(sched, "hopeless", "critical", 3000, 0.0)  # deadline 1.0 but needs 3 s: slack < 0
+    arrive(sched, "late", "critical", 3000, 0.0)  # deadline 1.0 but needs 3 s: slack < 0
     arrive(sched, "b1", "batch", 100, 0.0)  # deadline 100
     arrive(sched, "c1", "critical", 100, 0.5)  # deadline 1.5
-    # hopeless has the earliest deadline, but it misses anyway: it goes after all the others,
-    # and is still completed.
-    assert drain_order(sched, 0.6) == ["c1", "s1", "b1", "hopeless"]
+    # late misses anyway: it goes after c1, which can still make it, but keeps its tier: it
+    # is re-deadlined one critical SLO from now (1.6), before work due at 5 s and 100 s.
+    assert drain_order(sched, 0.6) == ["c1", "late", "s1", "b1"]
+
+
+def test_flowprefill_a_late_standard_request_never_goes_before_an_on_time_critical_one():
+    sched = make("flowprefill", workers=0)
+    arrive(sched, "s_late", "standard", 100, 0.0)  # deadline 5.0; late at 6.0
+    arrive(sched, "c", "critical", 100, 5.5)  # deadline 6.5
+    # By EDF the late standard request (deadline 5.0) would go first; re-deadlined at
+    # 6.0 + 5 s it goes after the critical one, which can still make it.
+    assert drain_order(sched, 6.0) == ["c", "s_late"]
 
 
 def test_flowprefill_a_request_slightly_late_still_goes_before_work_with_time_to_spare():
@@ -117,7 +138,7 @@ def test_non_preemptive_policies_never_preempt(policy):
     assert arrive(sched, "b", "batch", 10_000, 0.0) == [Assign("b", "w0")]
     assert arrive(sched, "c", "critical", 10, 0.5) == []
     assert sched.policy.preempts is False and sched.policy.engine_check == "none"
-    assert sched.handle(RequestDone("b", "w0"), 10.0) == [Assign("c", "w0")]
+    assert step(sched, RequestDone("b", "w0"), 10.0) == [Assign("c", "w0")]
 
 
 @pytest.mark.parametrize(("policy", "drop"), [("chunked", False), ("recompute", True)])
@@ -152,16 +173,16 @@ def test_flowprefill_does_not_preempt_when_the_newcomer_makes_its_slo_anyway():
     arrive(sched, "b", "batch", 1000, 0.0)  # 1 s of prefill
     # At 0.5 s the batch has ~0.5 s left; the critical needs 0.1 s: 0.6 s < its 1 s SLO.
     assert arrive(sched, "c", "critical", 100, 0.5) == []
-    assert sched.handle(RequestDone("b", "w0"), 1.0) == [Assign("c", "w0")]
+    assert step(sched, RequestDone("b", "w0"), 1.0) == [Assign("c", "w0")]
 
 
 def test_flowprefill_preempts_when_the_newcomer_would_miss_its_slo():
     sched = make("flowprefill")
     arrive(sched, "b", "batch", 10_000, 0.0)
     assert arrive(sched, "c", "critical", 100, 1.0) == [Preempt("b", "w0", drop_state=False)]
-    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.005) == [Assign("c", "w0")]
+    assert step(sched, PreemptionAcked("b", "w0", 1000, False), 1.005) == [Assign("c", "w0")]
     assert sched.suspended() == {"w0": ("b",)}
-    assert sched.handle(RequestDone("c", "w0"), 1.2) == [Resume("b", "w0")]
+    assert step(sched, RequestDone("c", "w0"), 1.2) == [Resume("b", "w0")]
 
 
 def test_progress_reports_sharpen_the_estimate():
@@ -169,7 +190,7 @@ def test_progress_reports_sharpen_the_estimate():
     arrive(sched, "b", "batch", 2000, 0.0)
     # The worker is slower than predicted: at 1.9 s it reports only 100 tokens done, so
     # ~1.9 s are left, not 0.1 s...
-    assert sched.handle(PrefillProgress("b", "w0", 100), 1.9) == []
+    assert step(sched, PrefillProgress("b", "w0", 100), 1.9) == []
     assert sched.request("b").tokens_done == 100
     # ...and a critical arriving now would miss by waiting: preempt.
     assert arrive(sched, "c", "critical", 100, 1.9) == [Preempt("b", "w0", drop_state=False)]
@@ -182,31 +203,55 @@ def test_a_progress_report_revisits_a_decision_to_wait():
     assert arrive(sched, "s", "standard", 500, 0.1) == []
     # At 3.9 s the batch request reports 200 of 1000 tokens: ~0.8 s more, then 0.5 s for the
     # standard one, past its 5.1 s deadline: the decision is revisited.
-    assert sched.handle(PrefillProgress("b", "w0", 200), 3.9) == [
+    assert step(sched, PrefillProgress("b", "w0", 200), 3.9) == [
         Preempt("b", "w0", drop_state=False)
     ]
 
 
 @pytest.mark.parametrize(("margin", "preempts"), [(0.0, False), (0.2, True)])
-def test_flowprefill_waits_only_with_a_margin_inside_the_slo(margin, preempts):
-    sched = Scheduler(
-        make_policy("flowprefill", wait_margin=margin),
-        TIERS,
-        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),
-        SchedulerConfig(refit_predictor=False, decode_s_per_token=0.0),
-    )
-    sched.handle(WorkerJoined("w0"), 0.0)
+def test_flowprefill_waits_only_with_the_prediction_margin_inside_the_slo(margin, preempts):
+    sched = make("flowprefill", default_prediction_margin=margin)
     arrive(sched, "b", "batch", 800, 0.0)
     # Waiting, the critical request would be done at 0.9 s: inside its 1 s SLO, but not
-    # inside 80% of it.
+    # with predictions 20% too optimistic (1.08 s).
     expected = [Preempt("b", "w0", drop_state=False)] if preempts else []
     assert arrive(sched, "c", "critical", 100, 0.0) == expected
 
 
-def test_flowprefill_does_not_preempt_for_a_request_that_misses_anyway():
+def test_the_prediction_margin_follows_the_predictors_observed_error():
+    sched = make("fifo", default_prediction_margin=0.2)
+    assert sched.prediction_errors.margin() == 0.2  # until 20 prefills were measured
+    for i in range(40):  # every prefill takes 1.5x its prediction (1000 tokens: 1 s)
+        arrive(sched, f"r{i}", "standard", 1000, float(i))
+        sched.handle(PrefillFinished(f"r{i}", "w0", 1000, 1.5), i + 0.5)
+        sched.handle(RequestDone(f"r{i}", "w0"), i + 0.6)
+    assert sched.prediction_errors.margin() == pytest.approx(0.5)
+    summary = sched.prediction_errors.summary()
+    assert summary["n"] == 40 and summary["abs_p95"] == pytest.approx(0.5)
+
+
+def test_flowprefill_preempts_lower_tier_work_for_a_late_request():
+    """A late critical request never waits behind a batch prefill that could be preempted."""
     sched = make("flowprefill")
     arrive(sched, "b", "batch", 10_000, 0.0)
-    assert arrive(sched, "c", "critical", 2000, 1.0) == []  # needs 2 s, SLO 1 s
+    # Needs 2 s against a 1 s SLO: it misses anyway, but every second it waits adds to that.
+    assert arrive(sched, "c", "critical", 2000, 1.0) == [Preempt("b", "w0", drop_state=False)]
+
+
+def test_flowprefill_a_late_request_does_not_preempt_on_time_work_of_its_tier():
+    sched = make("flowprefill")
+    arrive(sched, "c1", "critical", 500, 0.0)  # deadline 1.0, needs 0.5 s: on time
+    assert arrive(sched, "c2", "critical", 2000, 0.1) == []  # late: waits for c1
+
+
+def test_a_redelivered_request_keeps_the_deadline_of_its_admission():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 10_000, 0.0)
+    # Admitted at 0.0, delivered to the scheduler at 5.0 (held in Kafka, or replayed after a
+    # restart): its deadline passed at 1.0, it is late, and it preempts the batch request.
+    event = RequestArrived("c", "critical", 100, arrival_s=0.0)
+    assert step(sched, event, 5.0) == [Preempt("b", "w0", drop_state=False)]
+    assert sched.request("c").arrival_s == 0.0
 
 
 def test_flowprefill_does_not_preempt_a_request_with_an_earlier_deadline():
@@ -218,12 +263,12 @@ def test_flowprefill_does_not_preempt_a_request_with_an_earlier_deadline():
 def test_flowprefill_preempts_a_decoding_request_first():
     sched = make("flowprefill", decode_s_per_token=0.05)
     arrive(sched, "s", "standard", 100, 0.0, new_tokens=200)  # ~10 s of decode after prefill
-    assert sched.handle(PrefillFinished("s", "w0", 100, 0.1), 0.1) == []
+    assert step(sched, PrefillFinished("s", "w0", 100, 0.1), 0.1) == []
     assert sched.state_of("s") is RequestState.DECODING
     assert arrive(sched, "c", "critical", 100, 0.2) == [Preempt("s", "w0", drop_state=False)]
     # The engine acks at its next check; the first token was already out.
     sched.handle(PreemptionAcked("s", "w0", 100, False), 0.21)
-    assert sched.handle(RequestDone("c", "w0"), 0.4) == [Resume("s", "w0")]
+    assert step(sched, RequestDone("c", "w0"), 0.4) == [Resume("s", "w0")]
     assert sched.state_of("s") is RequestState.DECODING
 
 
@@ -236,7 +281,7 @@ def test_flowprefill_resumes_a_suspended_decoding_request_before_fresh_lower_tie
     assert arrive(sched, "c2", "critical", 50, 0.1) == [Preempt("c1", "w0", drop_state=False)]
     sched.handle(PreemptionAcked("c1", "w0", 50, False), 0.11)
     assert arrive(sched, "b1", "batch", 3000, 0.12) == []  # waits: the worker is busy
-    assert sched.handle(RequestDone("c2", "w0"), 0.3) == [Resume("c1", "w0")]
+    assert step(sched, RequestDone("c2", "w0"), 0.3) == [Resume("c1", "w0")]
 
 
 def test_a_worker_being_preempted_is_not_preempted_again():
@@ -245,9 +290,9 @@ def test_a_worker_being_preempted_is_not_preempted_again():
     assert arrive(sched, "s", "standard", 100, 1.0) == [Preempt("b", "w0", drop_state=False)]
     assert arrive(sched, "c", "critical", 100, 1.001) == []
     # The freed worker goes to the best waiting request, the critical one.
-    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("c", "w0")]
-    assert sched.handle(RequestDone("c", "w0"), 1.2) == [Assign("s", "w0")]
-    assert sched.handle(RequestDone("s", "w0"), 1.3) == [Resume("b", "w0")]
+    assert step(sched, PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("c", "w0")]
+    assert step(sched, RequestDone("c", "w0"), 1.2) == [Assign("s", "w0")]
+    assert step(sched, RequestDone("s", "w0"), 1.3) == [Resume("b", "w0")]
 
 
 def test_preemption_bound_makes_a_request_run_to_completion():
@@ -255,9 +300,9 @@ def test_preemption_bound_makes_a_request_run_to_completion():
     arrive(sched, "b", "batch", 10_000, 0.0)
     assert arrive(sched, "s1", "standard", 100, 1.0) == [Preempt("b", "w0", drop_state=False)]
     sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)
-    assert sched.handle(RequestDone("s1", "w0"), 1.2) == [Resume("b", "w0")]
+    assert step(sched, RequestDone("s1", "w0"), 1.2) == [Resume("b", "w0")]
     assert arrive(sched, "s2", "standard", 100, 1.3) == []  # b was preempted once already
-    assert sched.handle(RequestDone("b", "w0"), 10.0) == [Assign("s2", "w0")]
+    assert step(sched, RequestDone("b", "w0"), 10.0) == [Assign("s2", "w0")]
 
 
 def test_preempt_racing_with_the_end_of_the_request():
@@ -265,16 +310,16 @@ def test_preempt_racing_with_the_end_of_the_request():
     arrive(sched, "b", "batch", 1000, 0.0)
     assert arrive(sched, "s", "standard", 100, 0.99) == [Preempt("b", "w0", drop_state=False)]
     # The worker finished before it saw the flag: Done, and never an ack.
-    assert sched.handle(RequestDone("b", "w0"), 1.0) == [Assign("s", "w0")]
+    assert step(sched, RequestDone("b", "w0"), 1.0) == [Assign("s", "w0")]
     assert sched.state_of("b") is RequestState.DONE
-    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == []  # stale
+    assert step(sched, PreemptionAcked("b", "w0", 1000, False), 1.01) == []  # stale
 
 
 def test_suspended_states_per_worker_are_capped():
     sched = make("chunked", max_suspended_per_worker=1)
     arrive(sched, "b", "batch", 10_000, 0.0)
     arrive(sched, "s", "standard", 10_000, 1.0)
-    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("s", "w0")]
+    assert step(sched, PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("s", "w0")]
     assert arrive(sched, "c", "critical", 100, 2.0) == []  # w0 already holds one state
 
 
@@ -284,10 +329,10 @@ def test_aging_puts_a_starving_request_first_and_makes_it_unpreemptible():
     arrive(sched, "b", "batch", 1000, 0.5)
     arrive(sched, "c1", "critical", 100, 11.0)
     # b has waited 11.5 s > 10 s: it goes before the critical request that waits too...
-    assert sched.handle(RequestDone("c0", "w0"), 12.0) == [Assign("b", "w0")]
+    assert step(sched, RequestDone("c0", "w0"), 12.0) == [Assign("b", "w0")]
     # ...and a new critical request does not preempt it.
     assert arrive(sched, "c2", "critical", 100, 12.1) == []
-    assert sched.handle(RequestDone("b", "w0"), 13.0) == [Assign("c1", "w0")]
+    assert step(sched, RequestDone("b", "w0"), 13.0) == [Assign("c1", "w0")]
 
 
 # ---------------------------------------------------------------------------- several workers
@@ -323,7 +368,7 @@ def test_flowprefill_waits_for_a_worker_that_frees_in_time():
     arrive(sched, "b1", "batch", 50_000, 0.0)
     arrive(sched, "b2", "batch", 1000, 0.0)  # w1 frees at 1.0
     assert arrive(sched, "c", "critical", 300, 0.8) == []  # starts at 1.0, done 1.3 < 1.8
-    assert sched.handle(RequestDone("b2", "w1"), 1.0) == [Assign("c", "w1")]
+    assert step(sched, RequestDone("b2", "w1"), 1.0) == [Assign("c", "w1")]
 
 
 def test_suspended_request_resumes_only_on_its_worker():
@@ -334,8 +379,8 @@ def test_suspended_request_resumes_only_on_its_worker():
     sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)  # s runs on w0
     assert sched.suspended() == {"w0": ("b",), "w1": ()}
     # w1 frees first, but b's state is on w0: it is not resumed (nor restarted) on w1.
-    assert sched.handle(RequestDone("s0", "w1"), 2.0) == []
-    assert sched.handle(RequestDone("s", "w0"), 2.1) == [Resume("b", "w0")]
+    assert step(sched, RequestDone("s0", "w1"), 2.0) == []
+    assert step(sched, RequestDone("s", "w0"), 2.1) == [Resume("b", "w0")]
 
 
 # ---------------------------------------------------------------------------- overload
@@ -383,18 +428,18 @@ def test_cancel_queued_request_just_removes_it():
     sched = make("fifo")
     arrive(sched, "a", "standard", 1000, 0.0)
     arrive(sched, "q", "standard", 1000, 0.1)
-    assert sched.handle(RequestCancelled("q"), 0.2) == []
+    assert step(sched, RequestCancelled("q"), 0.2) == []
     assert sched.state_of("q") is RequestState.CANCELLED
     assert sched.queue_depth()["standard"] == 0
-    assert sched.handle(RequestDone("a", "w0"), 1.0) == []
+    assert step(sched, RequestDone("a", "w0"), 1.0) == []
 
 
 def test_cancel_running_request_tells_its_worker_and_frees_it():
     sched = make("fifo")
     arrive(sched, "a", "standard", 1000, 0.0)
     arrive(sched, "q", "standard", 1000, 0.1)
-    assert sched.handle(RequestCancelled("a"), 0.2) == [Cancel("a", "w0"), Assign("q", "w0")]
-    assert sched.handle(RequestDone("a", "w0"), 0.3) == []  # late event from the worker
+    assert step(sched, RequestCancelled("a"), 0.2) == [Cancel("a", "w0"), Assign("q", "w0")]
+    assert step(sched, RequestDone("a", "w0"), 0.3) == []  # late event from the worker
 
 
 def test_cancel_suspended_request_tells_the_worker_holding_its_state():
@@ -403,17 +448,17 @@ def test_cancel_suspended_request_tells_the_worker_holding_its_state():
     arrive(sched, "s0", "standard", 10_000, 0.0)
     arrive(sched, "s", "standard", 100, 1.0)
     sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)
-    assert sched.handle(RequestCancelled("b"), 1.1) == [Cancel("b", "w0")]
+    assert step(sched, RequestCancelled("b"), 1.1) == [Cancel("b", "w0")]
     assert sched.suspended() == {"w0": (), "w1": ()}
-    assert sched.handle(RequestCancelled("b"), 1.2) == []  # twice: no-op
+    assert step(sched, RequestCancelled("b"), 1.2) == []  # twice: no-op
 
 
 def test_cancel_while_preempting_frees_the_worker_for_the_waiting_request():
     sched = make("chunked")
     arrive(sched, "b", "batch", 10_000, 0.0)
     arrive(sched, "s", "standard", 100, 1.0)
-    assert sched.handle(RequestCancelled("b"), 1.001) == [Cancel("b", "w0"), Assign("s", "w0")]
-    assert sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01) == []
+    assert step(sched, RequestCancelled("b"), 1.001) == [Cancel("b", "w0"), Assign("s", "w0")]
+    assert step(sched, PreemptionAcked("b", "w0", 1000, False), 1.01) == []
 
 
 # ---------------------------------------------------------------------------- workers, idempotency
@@ -425,20 +470,20 @@ def test_worker_left_requeues_its_running_and_suspended_requests_from_scratch():
     arrive(sched, "s0", "standard", 10_000, 0.0)  # w1
     arrive(sched, "s", "standard", 5000, 1.0)
     sched.handle(PreemptionAcked("b", "w0", 1000, False), 1.01)  # s on w0, b suspended on w0
-    assert sched.handle(WorkerLeft("w0"), 2.0) == []  # w1 busy: both wait
+    assert step(sched, WorkerLeft("w0"), 2.0) == []  # w1 busy: both wait
     for rid in ("s", "b"):
         assert sched.state_of(rid) is RequestState.QUEUED
         assert sched.request(rid).tokens_done == 0
-    assert sched.handle(RequestDone("s0", "w1"), 3.0) == [Assign("s", "w1")]
-    assert sched.handle(RequestDone("s", "w1"), 4.0) == [Assign("b", "w1")]  # not Resume
-    assert sched.handle(RequestDone("s", "w0"), 4.1) == []  # the gone worker's late event
+    assert step(sched, RequestDone("s0", "w1"), 3.0) == [Assign("s", "w1")]
+    assert step(sched, RequestDone("s", "w1"), 4.0) == [Assign("b", "w1")]  # not Resume
+    assert step(sched, RequestDone("s", "w0"), 4.1) == []  # the gone worker's late event
 
 
 def test_worker_joined_takes_queued_work_and_duplicates_are_ignored():
     sched = make("fifo", workers=0)
     arrive(sched, "a", "standard", 100, 0.0)
-    assert sched.handle(WorkerJoined("w0"), 1.0) == [Assign("a", "w0")]
-    assert sched.handle(WorkerJoined("w0"), 1.1) == []
+    assert step(sched, WorkerJoined("w0"), 1.0) == [Assign("a", "w0")]
+    assert step(sched, WorkerJoined("w0"), 1.1) == []
     assert sched.running() == {"w0": "a"}
 
 
@@ -474,3 +519,69 @@ def test_introspection_returns_copies():
 def test_unknown_event_type_is_an_error():
     with pytest.raises(TypeError, match="not a scheduler event"):
         make("fifo").handle(object(), 0.0)
+
+
+# ---------------------------------------------------------------------------- wake-ups
+
+
+def test_a_request_that_waits_on_a_prediction_gets_a_wake_up_at_its_latest_start():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)  # predicted to end at 1.0 s
+    commands = sched.handle(RequestArrived("c", "critical", 100), 0.5)
+    # Deadline 1.5 s, 0.1 s of prefill predicted, with the 20% margin: start by 1.38 s.
+    assert commands == [SetTimer("c", pytest.approx(1.38))]
+    assert sched.timers() == {"c": pytest.approx(1.38)}
+
+
+def test_the_wake_up_preempts_when_the_prediction_was_2x_too_optimistic():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)  # predicted 1 s; really takes 2 s
+    sched.handle(RequestArrived("c", "critical", 100), 0.5)
+    # No event arrives before the wake-up: the batch request is still running at 1.38 s.
+    assert sched.handle(TimerFired("c"), 1.38) == [Preempt("b", "w0", drop_state=False)]
+    assert step(sched, PreemptionAcked("b", "w0", 0, False), 1.385) == [Assign("c", "w0")]
+    assert "c" not in sched.timers()  # b, suspended, has one now: it waits on a prediction
+
+
+def test_the_wake_up_is_cancelled_when_the_request_starts():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)
+    sched.handle(RequestArrived("c", "critical", 100), 0.5)
+    assert sched.handle(RequestDone("b", "w0"), 1.0) == [Assign("c", "w0"), CancelTimer("c")]
+    assert sched.handle(TimerFired("c"), 1.38) == []  # fired anyway (in flight): ignored
+
+
+def test_the_wake_up_is_cancelled_with_its_request():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)
+    sched.handle(RequestArrived("c", "critical", 100), 0.5)
+    assert sched.handle(RequestCancelled("c"), 0.6) == [CancelTimer("c")]
+
+
+def test_policies_that_never_wait_on_predictions_set_no_wake_ups():
+    for policy in ("fifo", "priority", "chunked", "recompute"):
+        sched = make(policy)
+        arrive(sched, "b", "batch", 1000, 0.0)
+        assert not any(
+            isinstance(c, SetTimer) for c in sched.handle(RequestArrived("s", "standard", 100), 0.5)
+        )
+
+
+def test_per_layer_progress_corrects_the_estimate_within_a_chunk():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 2000, 0.0)  # one 2000-token chunk, predicted 2 s
+    # At 1.8 s only 3 of 12 layers of the chunk are done: 1.5 s are left, not 0.2 s.
+    progress = PrefillProgress("b", "w0", 0, layers_done=3, num_layers=12, chunk_end=2000)
+    assert step(sched, progress, 1.8) == []
+    assert sched.request("b").chunk_fraction == 0.25
+    # A critical request would miss its 1 s SLO behind 1.5 s: preempt now.
+    assert arrive(sched, "c", "critical", 100, 1.8) == [Preempt("b", "w0", drop_state=False)]
+
+
+def test_per_layer_progress_turns_a_decision_to_wait_into_a_preemption():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)
+    assert arrive(sched, "c", "critical", 100, 0.5) == []  # waits: b predicted to end at 1.0
+    # At 0.9 s b reports half of its layers: 0.5 s left, c would end at 1.52 > 1.5.
+    progress = PrefillProgress("b", "w0", 0, layers_done=6, num_layers=12, chunk_end=1000)
+    assert step(sched, progress, 0.9) == [Preempt("b", "w0", drop_state=False)]

@@ -21,6 +21,7 @@ from queue_service.scheduler import (
     POLICIES,
     Assign,
     Cancel,
+    CancelTimer,
     Preempt,
     PreemptionAcked,
     PrefillFinished,
@@ -34,6 +35,8 @@ from queue_service.scheduler import (
     Resume,
     Scheduler,
     SchedulerConfig,
+    SetTimer,
+    TimerFired,
     WorkerJoined,
     WorkerLeft,
     make_policy,
@@ -88,6 +91,8 @@ class FakeCluster:
         decode_s_per_token: float = 0.01,
         chunk_tokens: int = 512,
         layer_s: float = 0.004,
+        slowdown: dict[str, float] | None = None,
+        fire_timers: bool = True,
     ) -> None:
         self.sched = scheduler
         self.check = scheduler.policy.engine_check
@@ -95,6 +100,10 @@ class FakeCluster:
         self.decode_s = decode_s_per_token
         self.chunk_tokens = chunk_tokens
         self.layer_s = layer_s
+        # Per request: how much slower than s_per_token its prefill really is (the predictor
+        # does not know: its predictions for that request are this many times too optimistic).
+        self.slowdown = slowdown or {}
+        self.fire_timers = fire_timers  # False: a dispatcher that drops wake-ups
         self.workers: dict[str, FakeWorker] = {}
         self.records: dict[str, Record] = {}
         self.specs: dict[str, tuple[int, int]] = {}
@@ -104,6 +113,7 @@ class FakeCluster:
         self._heap: list = []
         self._seq = 0
         self._epoch = 0
+        self.timers: dict[str, float] = {}  # armed wake-ups, as the dispatcher keeps them
 
     # -- scripting
 
@@ -128,7 +138,7 @@ class FakeCluster:
     # -- the worker model
 
     def _prefill_s(self, job: Job) -> float:
-        return job.prompt * self.s_per_token
+        return job.prompt * self.s_per_token * self.slowdown.get(job.request_id, 1.0)
 
     def _total_s(self, job: Job) -> float:
         return self._prefill_s(job) + job.new_tokens * self.decode_s
@@ -172,6 +182,15 @@ class FakeCluster:
     def _apply(self, command) -> None:
         if isinstance(command, Reject):
             self.records[command.request_id].rejected = command.reason
+            return
+        if isinstance(command, SetTimer):
+            assert command.at_s >= self.now, "a wake-up in the past"
+            self.timers[command.request_id] = command.at_s
+            self._push(command.at_s, ("timer", command.request_id, command.at_s))
+            return
+        if isinstance(command, CancelTimer):
+            # It may have fired already (the event in flight): a dispatcher ignores that.
+            self.timers.pop(command.request_id, None)
             return
         worker = self.workers[command.worker_id]
         rid = command.request_id
@@ -229,6 +248,11 @@ class FakeCluster:
             elif kind == "leave":
                 del self.workers[item[1]]
                 self._deliver(WorkerLeft(item[1]))
+            elif kind == "timer":
+                if self.timers.get(item[1]) == item[2]:  # not cancelled or moved since
+                    del self.timers[item[1]]
+                    if self.fire_timers:
+                        self._deliver(TimerFired(item[1]))
             else:
                 self._worker_event(*item[1:])
 
@@ -268,6 +292,8 @@ class FakeCluster:
         assert all(r is None for r in self.sched.running().values())
         assert all(not held for held in self.sched.suspended().values())
         assert all(not w.held and w.run is None for w in self.workers.values())
+        assert not self.timers, "wake-ups left armed"
+        assert self.sched.timers() == {} or not self.fire_timers
 
     def ttft(self, rid: str) -> float:
         record = self.records[rid]
@@ -356,8 +382,9 @@ def test_batch_request_does_not_starve_under_a_stream_of_critical_requests(polic
     # Aged at 10.1 s; it waits at most for the critical request on the worker, then runs its
     # 2 s unpreempted: long before the ~120 s the critical backlog takes.
     assert done is not None and done < 0.1 + starvation_s + 0.5 + 2.0 + 0.1
-    # In events: ~13 s of arrivals (4/s) and completions (2/s), a few preemptions and acks.
-    assert cluster.records["b"].done_event < 120
+    # In events: ~13 s of arrivals (4/s) and completions (2/s), a few preemptions, acks and
+    # wake-ups of waiting critical requests.
+    assert cluster.records["b"].done_event < 160
     last_critical = max(r.done for rid, r in cluster.records.items() if rid != "b")
     assert last_critical > 100.0
 
@@ -405,3 +432,54 @@ def test_chunked_switches_at_chunk_ends_and_flowprefill_within_a_layer():
     # A chunk is 0.512 s here; a layer 4 ms.
     assert max(flow.ttft(f"c{i}") for i in range(3)) < 0.1 + 0.004 + 0.05
     assert max(chunked.ttft(f"c{i}") for i in range(3)) > 0.1 + 0.1
+
+
+# ---------------------------------------------------------------------------- wrong predictions
+
+
+def behind_a_mispredicted_prefill(fire_timers: bool) -> FakeCluster:
+    # The document's prefill really takes 2x its prediction (4 s, predicted 2 s), and one chunk
+    # holds the whole prompt, so no progress report corrects the estimate in time.
+    cluster = FakeCluster(
+        scheduler("flowprefill"),
+        chunk_tokens=4096,
+        slowdown={"doc": 2.0},
+        fire_timers=fire_timers,
+    )
+    cluster.join(0.0, "w0")
+    cluster.arrive(0.0, "doc", "batch", 2000)
+    # At 1.5 s the document is predicted to end at 2.0 s: the critical request (0.1 s of
+    # prefill, deadline 2.5 s) waits, with a wake-up at its latest start.
+    cluster.arrive(1.5, "c", "critical", 100)
+    cluster.run()
+    cluster.assert_all_accepted_completed()
+    return cluster
+
+
+def test_a_prediction_2x_too_optimistic_still_meets_the_deadline_thanks_to_the_wake_up():
+    cluster = behind_a_mispredicted_prefill(fire_timers=True)
+    assert cluster.ttft("c") <= 1.0  # the critical SLO
+    assert cluster.sched.counters["timers_fired"] == 1
+    assert cluster.sched.counters["preemptions"] == 1
+
+
+def test_without_the_wake_up_the_same_critical_request_misses_its_deadline():
+    cluster = behind_a_mispredicted_prefill(fire_timers=False)
+    assert cluster.ttft("c") > 2.0  # it waited for the whole document
+    assert cluster.sched.counters.get("preemptions", 0) == 0
+
+
+def test_late_critical_requests_run_before_waiting_batch_work():
+    """After a stall (a backlog behind one long request), the critical requests that are
+    already late still go before the batch requests that wait with time to spare."""
+    # No preemptions allowed: a stalled worker, as far as the waiting requests can tell.
+    cluster = FakeCluster(scheduler("flowprefill", max_preemptions=0))
+    cluster.join(0.0, "w0")
+    cluster.arrive(0.0, "s_long", "standard", 4900)  # holds the worker for 4.9 s
+    for i in range(3):
+        cluster.arrive(0.1 + i * 0.1, f"b{i}", "batch", 3000)
+    cluster.arrive(0.5, "c", "critical", 100)  # deadline 1.5 s: late long before s_long ends
+    cluster.run()
+    cluster.assert_all_accepted_completed()
+    order = sorted(cluster.records, key=lambda rid: cluster.records[rid].first_token)
+    assert order.index("c") < min(order.index(f"b{i}") for i in range(3))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tierflow.v1 import serving_pb2 as tierflow_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierflow/v1/worker.proto\x12\x0btierflow.v1\x1a\x19tierflow/v1/serving.proto\"\x8c\x01\n\x06\x41ssign\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x13\n\x0bstop_at_eos\x18\x05 \x01(\x08\"1\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndrop_state\x18\x02 \x01(\x08\"\x1c\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\xde\x01\n\x0e\x43ontrolMessage\x12%\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x13.tierflow.v1.AssignH\x00\x12\'\n\x07preempt\x18\x02 \x01(\x0b\x32\x14.tierflow.v1.PreemptH\x00\x12%\n\x06resume\x18\x03 \x01(\x0b\x32\x13.tierflow.v1.ResumeH\x00\x12%\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x13.tierflow.v1.CancelH\x00\x12#\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x12.tierflow.v1.DrainH\x00\x42\t\n\x07\x63ommand\"\xb0\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\rmax_positions\x18\x06 \x01(\r\x12\x12\n\nchunk_size\x18\x07 \x01(\r\x12\r\n\x05\x63heck\x18\x08 \x01(\t\x12\x18\n\x10memory_cap_bytes\x18\t \x01(\x04\"J\n\x08Progress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btokens_done\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\"N\n\x0bResumePoint\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04half\x18\x03 \x01(\r\x12\x13\n\x0btokens_done\x18\x04 \x01(\r\"\x8e\x01\n\tPreempted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0cresume_point\x18\x02 \x01(\x0b\x32\x18.tierflow.v1.ResumePoint\x12\x12\n\nheld_bytes\x18\x03 \x01(\x04\x12\x15\n\rstate_dropped\x18\x04 \x01(\x08\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"h\n\x10WorkerFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x17\n\x0fprefill_busy_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"3\n\x0bWorkerToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"Z\n\nWorkerDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x62usy_ms\x18\x03 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x04 \x01(\r\"%\n\x0fWorkerCancelled\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cWorkerFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x17\n\x0finvalid_request\x18\x03 \x01(\x08\"@\n\tHeartbeat\x12\x17\n\x0fsuspended_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12running_request_id\x18\x02 \x01(\t\"\xac\x03\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.tierflow.v1.HelloH\x00\x12)\n\x08progress\x18\x02 \x01(\x0b\x32\x15.tierflow.v1.ProgressH\x00\x12+\n\tpreempted\x18\x03 \x01(\x0b\x32\x16.tierflow.v1.PreemptedH\x00\x12\x34\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x1d.tierflow.v1.WorkerFirstTokenH\x00\x12)\n\x05token\x18\x05 \x01(\x0b\x32\x18.tierflow.v1.WorkerTokenH\x00\x12\'\n\x04\x64one\x18\x06 \x01(\x0b\x32\x17.tierflow.v1.WorkerDoneH\x00\x12\x31\n\tcancelled\x18\x07 \x01(\x0b\x32\x1c.tierflow.v1.WorkerCancelledH\x00\x12+\n\x06\x66\x61iled\x18\x08 \x01(\x0b\x32\x19.tierflow.v1.WorkerFailedH\x00\x12+\n\theartbeat\x18\t \x01(\x0b\x32\x16.tierflow.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent2V\n\rWorkerControl\x12\x45\n\x06\x41ttach\x12\x1a.tierflow.v1.WorkerMessage\x1a\x1b.tierflow.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierflow/v1/worker.proto\x12\x0btierflow.v1\x1a\x19tierflow/v1/serving.proto\"\x8c\x01\n\x06\x41ssign\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x13\n\x0bstop_at_eos\x18\x05 \x01(\x08\"1\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndrop_state\x18\x02 \x01(\x08\"\x1c\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\xde\x01\n\x0e\x43ontrolMessage\x12%\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x13.tierflow.v1.AssignH\x00\x12\'\n\x07preempt\x18\x02 \x01(\x0b\x32\x14.tierflow.v1.PreemptH\x00\x12%\n\x06resume\x18\x03 \x01(\x0b\x32\x13.tierflow.v1.ResumeH\x00\x12%\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x13.tierflow.v1.CancelH\x00\x12#\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x12.tierflow.v1.DrainH\x00\x42\t\n\x07\x63ommand\"\xb0\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\rmax_positions\x18\x06 \x01(\r\x12\x12\n\nchunk_size\x18\x07 \x01(\r\x12\r\n\x05\x63heck\x18\x08 \x01(\t\x12\x18\n\x10memory_cap_bytes\x18\t \x01(\x04\"\x86\x01\n\x08Progress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btokens_done\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0blayers_done\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x11\n\tchunk_end\x18\x06 \x01(\r\"N\n\x0bResumePoint\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04half\x18\x03 \x01(\r\x12\x13\n\x0btokens_done\x18\x04 \x01(\r\"\x8e\x01\n\tPreempted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0cresume_point\x18\x02 \x01(\x0b\x32\x18.tierflow.v1.ResumePoint\x12\x12\n\nheld_bytes\x18\x03 \x01(\x04\x12\x15\n\rstate_dropped\x18\x04 \x01(\x08\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"h\n\x10WorkerFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x17\n\x0fprefill_busy_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"3\n\x0bWorkerToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\"Z\n\nWorkerDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x62usy_ms\x18\x03 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x04 \x01(\r\"%\n\x0fWorkerCancelled\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cWorkerFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x17\n\x0finvalid_request\x18\x03 \x01(\x08\"@\n\tHeartbeat\x12\x17\n\x0fsuspended_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12running_request_id\x18\x02 \x01(\t\"\xac\x03\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.tierflow.v1.HelloH\x00\x12)\n\x08progress\x18\x02 \x01(\x0b\x32\x15.tierflow.v1.ProgressH\x00\x12+\n\tpreempted\x18\x03 \x01(\x0b\x32\x16.tierflow.v1.PreemptedH\x00\x12\x34\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x1d.tierflow.v1.WorkerFirstTokenH\x00\x12)\n\x05token\x18\x05 \x01(\x0b\x32\x18.tierflow.v1.WorkerTokenH\x00\x12\'\n\x04\x64one\x18\x06 \x01(\x0b\x32\x17.tierflow.v1.WorkerDoneH\x00\x12\x31\n\tcancelled\x18\x07 \x01(\x0b\x32\x1c.tierflow.v1.WorkerCancelledH\x00\x12+\n\x06\x66\x61iled\x18\x08 \x01(\x0b\x32\x19.tierflow.v1.WorkerFailedH\x00\x12+\n\theartbeat\x18\t \x01(\x0b\x32\x16.tierflow.v1.HeartbeatH\x00\x42\x07\n\x05\x65vent2V\n\rWorkerControl\x12\x45\n\x06\x41ttach\x12\x1a.tierflow.v1.WorkerMessage\x1a\x1b.tierflow.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,26 +46,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTROLMESSAGE']._serialized_end=554
   _globals['_HELLO']._serialized_start=557
   _globals['_HELLO']._serialized_end=733
-  _globals['_PROGRESS']._serialized_start=735
-  _globals['_PROGRESS']._serialized_end=809
-  _globals['_RESUMEPOINT']._serialized_start=811
-  _globals['_RESUMEPOINT']._serialized_end=889
-  _globals['_PREEMPTED']._serialized_start=892
-  _globals['_PREEMPTED']._serialized_end=1034
-  _globals['_WORKERFIRSTTOKEN']._serialized_start=1036
-  _globals['_WORKERFIRSTTOKEN']._serialized_end=1140
-  _globals['_WORKERTOKEN']._serialized_start=1142
-  _globals['_WORKERTOKEN']._serialized_end=1193
-  _globals['_WORKERDONE']._serialized_start=1195
-  _globals['_WORKERDONE']._serialized_end=1285
-  _globals['_WORKERCANCELLED']._serialized_start=1287
-  _globals['_WORKERCANCELLED']._serialized_end=1324
-  _globals['_WORKERFAILED']._serialized_start=1326
-  _globals['_WORKERFAILED']._serialized_end=1400
-  _globals['_HEARTBEAT']._serialized_start=1402
-  _globals['_HEARTBEAT']._serialized_end=1466
-  _globals['_WORKERMESSAGE']._serialized_start=1469
-  _globals['_WORKERMESSAGE']._serialized_end=1897
-  _globals['_WORKERCONTROL']._serialized_start=1899
-  _globals['_WORKERCONTROL']._serialized_end=1985
+  _globals['_PROGRESS']._serialized_start=736
+  _globals['_PROGRESS']._serialized_end=870
+  _globals['_RESUMEPOINT']._serialized_start=872
+  _globals['_RESUMEPOINT']._serialized_end=950
+  _globals['_PREEMPTED']._serialized_start=953
+  _globals['_PREEMPTED']._serialized_end=1095
+  _globals['_WORKERFIRSTTOKEN']._serialized_start=1097
+  _globals['_WORKERFIRSTTOKEN']._serialized_end=1201
+  _globals['_WORKERTOKEN']._serialized_start=1203
+  _globals['_WORKERTOKEN']._serialized_end=1254
+  _globals['_WORKERDONE']._serialized_start=1256
+  _globals['_WORKERDONE']._serialized_end=1346
+  _globals['_WORKERCANCELLED']._serialized_start=1348
+  _globals['_WORKERCANCELLED']._serialized_end=1385
+  _globals['_WORKERFAILED']._serialized_start=1387
+  _globals['_WORKERFAILED']._serialized_end=1461
+  _globals['_HEARTBEAT']._serialized_start=1463
+  _globals['_HEARTBEAT']._serialized_end=1527
+  _globals['_WORKERMESSAGE']._serialized_start=1530
+  _globals['_WORKERMESSAGE']._serialized_end=1958
+  _globals['_WORKERCONTROL']._serialized_start=1960
+  _globals['_WORKERCONTROL']._serialized_end=2046
 # @@protoc_insertion_point(module_scope)

@@ -82,14 +82,20 @@ class Hello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., max_positions: _Optional[int] = ..., chunk_size: _Optional[int] = ..., check: _Optional[str] = ..., memory_cap_bytes: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
-    __slots__ = ("request_id", "tokens_done", "prompt_tokens")
+    __slots__ = ("request_id", "tokens_done", "prompt_tokens", "layers_done", "num_layers", "chunk_end")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DONE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_END_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens_done: int
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens_done: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    layers_done: int
+    num_layers: int
+    chunk_end: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens_done: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., layers_done: _Optional[int] = ..., num_layers: _Optional[int] = ..., chunk_end: _Optional[int] = ...) -> None: ...
 
 class ResumePoint(_message.Message):
     __slots__ = ("chunk", "layer", "half", "tokens_done")
