@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 
-from queue_service.scheduler import PrefillSample, PrefillTimePredictor
+from queue_service.scheduler import PredictionErrors, PrefillSample, PrefillTimePredictor
 from worker.engine import PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
@@ -49,3 +49,20 @@ def measure_prefills(
 def calibrate(engine: PrefillEngine, **kwargs) -> PrefillTimePredictor:
     samples = measure_prefills(engine, **kwargs)
     return PrefillTimePredictor().fit(samples)
+
+
+def holdout_error(samples: list[PrefillSample]) -> dict:
+    """The predictor's relative error on samples it was not fitted on: fit on the first half
+    of the measurements (one pass over the lengths), predict the second."""
+    half = len(samples) // 2
+    predictor = PrefillTimePredictor().fit(samples[:half])
+    errors = PredictionErrors(min_samples=1)
+    for s in samples[half:]:
+        errors.observe(predictor.predict(s.prompt_tokens, s.tokens_done), s.seconds)
+    return errors.summary()
+
+
+def calibrate_and_report(engine: PrefillEngine, **kwargs) -> tuple[PrefillTimePredictor, dict]:
+    """The predictor fitted on every measurement, and its held-out error."""
+    samples = measure_prefills(engine, **kwargs)
+    return PrefillTimePredictor().fit(samples), holdout_error(samples)

@@ -131,7 +131,11 @@ def scheduler_event(worker_id: str, event: RunnerEvent) -> Event | None:
             )
         case Preempted():
             return PreemptionAcked(
-                event.request_id, worker_id, event.resume_point.tokens_done, event.state_dropped
+                event.request_id,
+                worker_id,
+                event.resume_point.tokens_done,
+                event.state_dropped,
+                event.at - event.signalled_at,
             )
         case Finished() | Failed():
             return RequestDone(event.request_id, worker_id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from scipy.stats import binomtest
+
 from bench.harness import RunResult
 from tierflow.tiers import TierTable
 
@@ -21,6 +23,7 @@ def summarise(result: RunResult, tiers: TierTable) -> dict:
     """The per-policy block of the benchmark JSON (see README, "Policy benchmark")."""
     per_tier: dict[str, dict] = {}
     records = list(result.records.values())
+    wall = result.makespan_s
     for tier in tiers:
         mine = [r for r in records if r.arrival.tier == tier.name]
         if not mine:
@@ -42,12 +45,24 @@ def summarise(result: RunResult, tiers: TierTable) -> dict:
                 q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))
             },
             "preemptions": sum(r.preemptions for r in mine),
+            "completed_tok_s": _completed_tokens(accepted) / wall if wall else 0.0,
             "ttft_samples_ms": sorted(ttfts),
         }
     completed = [r for r in records if r.done_at is not None and r.failed is None]
     tokens = sum(r.arrival.prompt_tokens for r in completed)
     latencies = [s * 1000 for s in result.preemption_latencies_s]
+    top = min(tiers, key=lambda t: t.rank).name
+    lower = [r for r in records if r.arrival.tier != top and r.rejected is None]
     return {
+        # Completed tokens (prompt + output) per wall-clock second of the whole run.
+        "completed_tok_s": _completed_tokens(records) / wall if wall else 0.0,
+        "lower_tier_completed_tok_s": _completed_tokens(lower) / wall if wall else 0.0,
+        "prediction_error": result.prediction_errors,
+        "scheduler": {
+            "events": result.events,
+            "progress_events": result.progress_events,
+            "decide_us_per_event": result.decide_s / result.events * 1e6 if result.events else 0,
+        },
         "throughput_tok_s": tokens / result.busy_s if result.busy_s else 0.0,
         "busy_fraction": result.busy_s / result.makespan_s if result.makespan_s else 0.0,
         "makespan_s": result.makespan_s,
@@ -60,6 +75,19 @@ def summarise(result: RunResult, tiers: TierTable) -> dict:
         "lost": sum(r.done_at is None and r.rejected is None for r in records),
         "tiers": per_tier,
     }
+
+
+def _completed_tokens(records) -> int:
+    done = (r for r in records if r.done_at is not None and r.failed is None)
+    return sum(r.arrival.prompt_tokens + r.arrival.max_new_tokens for r in done)
+
+
+def wilson_interval(successes: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a rate (sound near 0 and 1, unlike the normal one)."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    ci = binomtest(successes, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return (float(ci.low), float(ci.high))
 
 
 def meets_slos(summary: dict, attainment: float = 0.9) -> bool:

@@ -126,8 +126,13 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
     return summaries
 
 
-def run_policy_bench(cfg: PolicyBenchConfig, console: Console, loaded=None) -> dict:
-    """``loaded``: the model, when the caller has it already (a LoadedModel)."""
+def run_policy_bench(
+    cfg: PolicyBenchConfig,
+    console: Console,
+    loaded=None,
+    predictor: PrefillTimePredictor | None = None,
+) -> dict:
+    """``loaded``: the model, and ``predictor``, when the caller has them already."""
     from worker.models import load_model
 
     loaded = loaded or load_model(cfg.model, device=cfg.device)
@@ -138,7 +143,9 @@ def run_policy_bench(cfg: PolicyBenchConfig, console: Console, loaded=None) -> d
     if not workload.arrivals:
         raise ValueError(f"workload {workload.name!r} has no arrivals")
     with Progress(console=console) as progress:
-        if cfg.predictor_file is not None:
+        if predictor is not None:
+            pass
+        elif cfg.predictor_file is not None:
             predictor = PrefillTimePredictor.load(cfg.predictor_file)
         else:
             cal = progress.add_task(

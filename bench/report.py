@@ -73,10 +73,15 @@ def render_policy_tables(result: dict, console: Console) -> None:
         "recomputes",
         "preempt latency p50/p99 ms",
         "lost",
+        "completed tok/s (wall)",
+        "lower tiers tok/s",
+        "predictor err p50/p95 (n)",
+        "decide us/event",
     ):
         totals.add_column(col, justify="right" if col not in ("policy", "engine") else "left")
     for name, s in result["policies"].items():
         lat = s["preemption_latency_ms"]
+        err = s["prediction_error"]
         totals.add_row(
             name,
             f"C={s['engine']['chunk_size']}, check={s['engine']['check']}",
@@ -86,6 +91,10 @@ def render_policy_tables(result: dict, console: Console) -> None:
             str(s["recomputes"]),
             f"{lat['p50']:.1f} / {lat['p99']:.1f}",
             str(s["lost"]),
+            f"{s['completed_tok_s']:.0f}",
+            f"{s['lower_tier_completed_tok_s']:.0f}",
+            f"{err['abs_p50']:.0%} / {err['abs_p95']:.0%} ({err['n']})",
+            f"{s['scheduler']['decide_us_per_event']:.0f}",
         )
     console.print(totals)
     if "goodput_req_s" in result:

@@ -1,8 +1,10 @@
 """The queue service's heart: scheduler events in, worker commands and client events out.
 
 Everything here runs on the service's asyncio loop, one callback at a time, so the scheduler (a
-pure state machine) is only ever touched by one thread and needs no lock. I/O is injected:
-- ``Transport.send_to_worker``: put a ControlMessage on a worker's control stream;
+pure state machine) is only ever touched by one thread and needs no lock. Scheduler commands
+reach the workers through the shared dispatcher (``queue_service.dispatcher``): each attached
+worker is a ``RemoteWorker`` handle (``queue_service.worker_api``), and wake-ups are timers on
+this loop. Other I/O is injected:
 - ``Transport.finished``: tell the Kafka consumer a delivery is finished (commit its offset);
 - ``Transport.publish_reply``: hand an event to the instance that holds the client's stream.
 
@@ -17,16 +19,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import structlog
 
+from queue_service.dispatcher import Dispatcher, WorkerHandle
 from queue_service.live import LiveRequest, Outcome
 from queue_service.scheduler import (
-    Assign,
-    Cancel,
-    Preempt,
     PreemptionAcked,
     PrefillFinished,
     PrefillProgress,
@@ -34,10 +34,7 @@ from queue_service.scheduler import (
     RequestArrived,
     RequestCancelled,
     RequestDone,
-    Resume,
     Scheduler,
-    WorkerJoined,
-    WorkerLeft,
 )
 from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2
 
@@ -59,9 +56,32 @@ ClientItem = serving_pb2.GenerateEvent | ClientError
 
 @dataclass(frozen=True)
 class Transport:
-    send_to_worker: Callable[[str, worker_pb2.ControlMessage], None]
     finished: Callable[[Any], None]
     publish_reply: Callable[[str, queue_pb2.ReplyRecord], None]
+
+
+class LoopTimers:
+    """The dispatcher's wake-ups as ``call_later`` handles on the running asyncio loop."""
+
+    def __init__(self, fire: Callable[[str], None], clock: Callable[[], float]) -> None:
+        self._fire = fire
+        self._clock = clock
+        self._handles: dict[str, asyncio.TimerHandle] = {}
+
+    def set(self, request_id: str, at_s: float) -> None:
+        self.cancel(request_id)
+        delay = max(0.0, at_s - self._clock())
+        loop = asyncio.get_running_loop()
+        self._handles[request_id] = loop.call_later(delay, self._due, request_id)
+
+    def cancel(self, request_id: str) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _due(self, request_id: str) -> None:
+        self._handles.pop(request_id, None)
+        self._fire(request_id)
 
 
 class ServiceCore:
@@ -84,7 +104,13 @@ class ServiceCore:
         self.finished: OrderedDict[str, LiveRequest] = OrderedDict()
         self.remember_finished = remember_finished
         self.clients: dict[str, asyncio.Queue[ClientItem]] = {}
-        self.workers: set[str] = set()
+        self.dispatcher = Dispatcher(
+            scheduler,
+            LoopTimers(lambda rid: self.dispatcher.fire_timer(rid), clock),
+            clock=clock,
+            on_reject=self._rejected,
+            on_start=self._started,
+        )
 
     # ------------------------------------------------------------------ clients
 
@@ -102,7 +128,7 @@ class ServiceCore:
         live = self.live.get(request_id)
         if live is not None and live.outcome is Outcome.LIVE:
             log.info("client gone, cancelling", request_id=request_id)
-            self._apply(self.scheduler.handle(RequestCancelled(request_id), self.clock()))
+            self.dispatcher.handle(RequestCancelled(request_id))
             self._end(live, Outcome.CANCELLED, Status.CANCELLED, "client cancelled")
 
     def queue_position(self, tier: str) -> int:
@@ -123,11 +149,15 @@ class ServiceCore:
             return
         live = LiveRequest(record=record, delivery=delivery, arrived_at=self._arrival(record))
         self.live[request_id] = live
-        commands = self.scheduler.handle(
-            RequestArrived(request_id, record.tier, len(record.prompt_ids), record.max_new_tokens),
-            self.clock(),
+        self.dispatcher.handle(
+            RequestArrived(
+                request_id,
+                record.tier,
+                len(record.prompt_ids),
+                record.max_new_tokens,
+                arrival_s=live.arrived_at,  # the deadline counts from admission
+            )
         )
-        self._apply(commands)
 
     def _arrival(self, record: queue_pb2.QueuedRequest) -> float:
         # Arrival on this service's clock, from the wall-clock stamp taken at admission, so that
@@ -137,30 +167,40 @@ class ServiceCore:
 
     # ------------------------------------------------------------------ workers
 
-    def worker_joined(self, worker_id: str) -> None:
-        self.workers.add(worker_id)
-        self._apply(self.scheduler.handle(WorkerJoined(worker_id), self.clock()))
+    @property
+    def workers(self) -> frozenset[str]:
+        return frozenset(self.dispatcher.handles)
+
+    def worker_joined(self, worker_id: str, handle: WorkerHandle) -> None:
+        self.dispatcher.worker_joined(worker_id, handle)
 
     def worker_left(self, worker_id: str) -> None:
-        if worker_id not in self.workers:
+        if worker_id not in self.dispatcher.handles:
             return
-        self.workers.discard(worker_id)
         for live in self.live.values():
             if live.worker_id == worker_id:
                 live.worker_id = None
                 live.state = Status.QUEUED
                 live.output_ids.clear()
         log.warning("worker left; its requests are re-queued", worker_id=worker_id)
-        self._apply(self.scheduler.handle(WorkerLeft(worker_id), self.clock()))
+        self.dispatcher.worker_left(worker_id)
+
+    def record_for(self, request_id: str) -> queue_pb2.QueuedRequest:
+        """The queued record of a live request (what an Assign carries to the worker)."""
+        return self.live[request_id].record
 
     def on_worker_message(self, worker_id: str, msg: worker_pb2.WorkerMessage) -> None:
         kind = msg.WhichOneof("event")
         body = getattr(msg, kind)
         live = self.live.get(getattr(body, "request_id", ""))
-        now = self.clock()
         if kind == "heartbeat" or live is None or live.worker_id != worker_id:
             return  # heartbeats are read by the session; stale events of a moved request dropped
-        if kind == "progress":
+        handler = self._worker_handlers.get(kind)
+        if handler is not None:  # "cancelled": the scheduler freed it when it sent Cancel
+            handler(self, live, worker_id, body, self.clock())
+
+    def _on_progress(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        if body.layers_done == 0:  # chunk ends reach the client; layer reports only decide
             live.tokens_done = body.tokens_done
             self._emit(
                 live,
@@ -170,146 +210,117 @@ class ServiceCore:
                     preemptions=live.preemptions,
                 ),
             )
-            self._apply(
-                self.scheduler.handle(
-                    PrefillProgress(live.request_id, worker_id, body.tokens_done), now
-                )
+        self.dispatcher.handle(
+            PrefillProgress(
+                live.request_id, worker_id, body.tokens_done,
+                body.layers_done, body.num_layers, body.chunk_end,
             )
-        elif kind == "first_token":
-            live.first_token_at = now
-            live.prefill_busy_ms = body.prefill_busy_ms
-            live.output_ids = [body.token_id]
-            live.state = Status.RUNNING
-            self._emit(
-                live,
-                first_token=serving_pb2.FirstToken(
-                    token_id=body.token_id,
-                    text=self.decode([body.token_id]),
-                    ttft_ms=(now - live.arrived_at) * 1000,
-                ),
-            )
-            self._apply(
-                self.scheduler.handle(
-                    PrefillFinished(
-                        live.request_id, worker_id, body.prompt_tokens, body.prefill_busy_ms / 1000
-                    ),
-                    now,
-                )
-            )
-        elif kind == "token":
-            live.output_ids.append(body.token_id)
-            self._emit(
-                live,
-                token=serving_pb2.Token(token_id=body.token_id, text=self.decode([body.token_id])),
-            )
-        elif kind == "preempted":
-            live.preemptions += 1
-            live.state = Status.SUSPENDED
-            if body.state_dropped:
-                live.output_ids.clear()
-            else:
-                live.suspended_since = now
-            log.info(
-                "preempted",
-                request_id=live.request_id,
-                worker_id=worker_id,
-                latency_ms=round(body.latency_ms, 2),
-                dropped=body.state_dropped,
-                tokens_done=body.resume_point.tokens_done,
-            )
-            self._apply(
-                self.scheduler.handle(
-                    PreemptionAcked(
-                        live.request_id,
-                        worker_id,
-                        body.resume_point.tokens_done,
-                        body.state_dropped,
-                    ),
-                    now,
-                )
-            )
-        elif kind == "done":
-            live.output_ids = list(body.output_ids)
-            self._emit(
-                live,
-                done=serving_pb2.Done(
-                    usage=live.usage(),
-                    timings=live.timings(now),
-                    text=self.decode(live.output_ids),
-                    finish_reason="length"
-                    if len(live.output_ids) >= live.record.max_new_tokens
-                    else "stop",
-                ),
-            )
-            self._end(live, Outcome.DONE, Status.DONE)
-            self._apply(self.scheduler.handle(RequestDone(live.request_id, worker_id), now))
-        elif kind == "failed":
-            code = (
-                grpc.StatusCode.INVALID_ARGUMENT
-                if body.invalid_request
-                else grpc.StatusCode.INTERNAL
-            )
-            self._fail(live, code, body.error)
-            self._apply(self.scheduler.handle(RequestDone(live.request_id, worker_id), now))
-        # "cancelled": the scheduler already freed the request when it sent Cancel.
+        )  # fmt: skip
 
-    # ------------------------------------------------------------------ commands
+    def _on_first_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        live.first_token_at = now
+        live.prefill_busy_ms = body.prefill_busy_ms
+        live.output_ids = [body.token_id]
+        live.state = Status.RUNNING
+        self._emit(
+            live,
+            first_token=serving_pb2.FirstToken(
+                token_id=body.token_id,
+                text=self.decode([body.token_id]),
+                ttft_ms=(now - live.arrived_at) * 1000,
+            ),
+        )
+        self.dispatcher.handle(
+            PrefillFinished(
+                live.request_id, worker_id, body.prompt_tokens, body.prefill_busy_ms / 1000
+            )
+        )
 
-    def _apply(self, commands) -> None:
+    def _on_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        live.output_ids.append(body.token_id)
+        text = self.decode([body.token_id])
+        self._emit(live, token=serving_pb2.Token(token_id=body.token_id, text=text))
+
+    def _on_preempted(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        live.preemptions += 1
+        live.state = Status.SUSPENDED
+        if body.state_dropped:
+            live.output_ids.clear()
+        else:
+            live.suspended_since = now
+        log.info(
+            "preempted",
+            request_id=live.request_id,
+            worker_id=worker_id,
+            latency_ms=round(body.latency_ms, 2),
+            dropped=body.state_dropped,
+            tokens_done=body.resume_point.tokens_done,
+        )
+        self.dispatcher.handle(
+            PreemptionAcked(
+                live.request_id,
+                worker_id,
+                body.resume_point.tokens_done,
+                body.state_dropped,
+                body.latency_ms / 1000,
+            )
+        )
+
+    def _on_done(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        live.output_ids = list(body.output_ids)
+        finish = "length" if len(live.output_ids) >= live.record.max_new_tokens else "stop"
+        self._emit(
+            live,
+            done=serving_pb2.Done(
+                usage=live.usage(),
+                timings=live.timings(now),
+                text=self.decode(live.output_ids),
+                finish_reason=finish,
+            ),
+        )
+        self._end(live, Outcome.DONE, Status.DONE)
+        self.dispatcher.handle(RequestDone(live.request_id, worker_id))
+
+    def _on_failed(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        invalid = body.invalid_request
+        code = grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL
+        self._fail(live, code, body.error)
+        self.dispatcher.handle(RequestDone(live.request_id, worker_id))
+
+    _worker_handlers: ClassVar[dict[str, Callable]] = {
+        "progress": _on_progress,
+        "first_token": _on_first_token,
+        "token": _on_token,
+        "preempted": _on_preempted,
+        "done": _on_done,
+        "failed": _on_failed,
+    }
+
+    # ------------------------------------------------------------------ dispatcher callbacks
+
+    def _started(self, request_id: str, worker_id: str, resumed: bool) -> None:
+        live = self.live.get(request_id)
+        if live is None:
+            return
         now = self.clock()
-        for cmd in commands:
-            live = self.live.get(cmd.request_id)
-            if isinstance(cmd, Assign):
-                if live is None:
-                    continue
-                live.worker_id = cmd.worker_id
-                live.started_at = live.started_at or now
-                self._end_suspension(live, now)
-                live.state = Status.RUNNING
-                r = live.record
-                self.transport.send_to_worker(
-                    cmd.worker_id,
-                    worker_pb2.ControlMessage(
-                        assign=worker_pb2.Assign(
-                            request_id=r.request_id,
-                            prompt_ids=r.prompt_ids,
-                            max_new_tokens=r.max_new_tokens,
-                            sampling=r.sampling,
-                            stop_at_eos=r.stop_at_eos,
-                        )
-                    ),
-                )
-            elif isinstance(cmd, Resume):
-                if live is not None:
-                    self._end_suspension(live, now)
-                    live.state = Status.RUNNING
-                self.transport.send_to_worker(
-                    cmd.worker_id,
-                    worker_pb2.ControlMessage(resume=worker_pb2.Resume(request_id=cmd.request_id)),
-                )
-            elif isinstance(cmd, Preempt):
-                self.transport.send_to_worker(
-                    cmd.worker_id,
-                    worker_pb2.ControlMessage(
-                        preempt=worker_pb2.Preempt(
-                            request_id=cmd.request_id, drop_state=cmd.drop_state
-                        )
-                    ),
-                )
-            elif isinstance(cmd, Cancel):
-                self.transport.send_to_worker(
-                    cmd.worker_id,
-                    worker_pb2.ControlMessage(cancel=worker_pb2.Cancel(request_id=cmd.request_id)),
-                )
-            elif isinstance(cmd, Reject) and live is not None:
-                log.info("rejected", request_id=cmd.request_id, reason=cmd.reason)
-                code = (
-                    grpc.StatusCode.RESOURCE_EXHAUSTED
-                    if cmd.overload
-                    else grpc.StatusCode.INVALID_ARGUMENT
-                )
-                self._send(live, ClientError(code, cmd.reason))
-                self._end(live, Outcome.REJECTED, Status.REJECTED, cmd.reason)
+        live.worker_id = worker_id
+        if not resumed:
+            live.started_at = live.started_at or now
+        self._end_suspension(live, now)
+        live.state = Status.RUNNING
+
+    def _rejected(self, reject: Reject) -> None:
+        live = self.live.get(reject.request_id)
+        if live is None:
+            return
+        log.info("rejected", request_id=reject.request_id, reason=reject.reason)
+        code = (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+            if reject.overload
+            else grpc.StatusCode.INVALID_ARGUMENT
+        )
+        self._send(live, ClientError(code, reject.reason))
+        self._end(live, Outcome.REJECTED, Status.REJECTED, reject.reason)
 
     @staticmethod
     def _end_suspension(live: LiveRequest, now: float) -> None:

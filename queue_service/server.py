@@ -79,11 +79,9 @@ class QueueService:
             max_live=config.max_live,
             live_count=lambda: len(self.core.live),
         )
-        self.workers: WorkerApi | None = None
         self.core = ServiceCore(
             scheduler,
             Transport(
-                send_to_worker=lambda w, m: self.workers.send(w, m),
                 finished=self.kafka.finished,
                 publish_reply=self.kafka.publish_reply,
             ),

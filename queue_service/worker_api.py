@@ -26,6 +26,39 @@ log = structlog.get_logger("queue_service.worker_api")
 _CLOSE = object()  # put in an outbox to end that worker's response stream
 
 
+class RemoteWorker:
+    """The dispatcher's ``WorkerHandle`` for an attached worker: each command becomes one
+    ``ControlMessage`` on its stream. An Assign carries the queued record's prompt and
+    sampling; the worker treats an Assign of a request it holds as "recompute"."""
+
+    def __init__(self, outbox: asyncio.Queue, core: ServiceCore) -> None:
+        self._outbox = outbox
+        self._core = core
+
+    def assign(self, request_id: str) -> None:
+        r = self._core.record_for(request_id)
+        assign = worker_pb2.Assign(
+            request_id=r.request_id,
+            prompt_ids=r.prompt_ids,
+            max_new_tokens=r.max_new_tokens,
+            sampling=r.sampling,
+            stop_at_eos=r.stop_at_eos,
+        )
+        self._outbox.put_nowait(worker_pb2.ControlMessage(assign=assign))
+
+    def resume(self, request_id: str) -> None:
+        resume = worker_pb2.Resume(request_id=request_id)
+        self._outbox.put_nowait(worker_pb2.ControlMessage(resume=resume))
+
+    def preempt(self, request_id: str, drop_state: bool) -> None:
+        preempt = worker_pb2.Preempt(request_id=request_id, drop_state=drop_state)
+        self._outbox.put_nowait(worker_pb2.ControlMessage(preempt=preempt))
+
+    def cancel(self, request_id: str) -> None:
+        cancel = worker_pb2.Cancel(request_id=request_id)
+        self._outbox.put_nowait(worker_pb2.ControlMessage(cancel=cancel))
+
+
 @dataclass
 class WorkerSession:
     worker_id: str
@@ -40,11 +73,6 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
         self.core = core
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.sessions: dict[str, WorkerSession] = {}
-
-    def send(self, worker_id: str, message: worker_pb2.ControlMessage) -> None:
-        session = self.sessions.get(worker_id)
-        if session is not None:
-            session.outbox.put_nowait(message)
 
     async def Attach(
         self,
@@ -70,7 +98,7 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
         )
         reader = asyncio.create_task(self._read(session, request_iterator))
         try:
-            self.core.worker_joined(hello.worker_id)
+            self.core.worker_joined(hello.worker_id, RemoteWorker(session.outbox, self.core))
             while True:
                 message = await session.outbox.get()
                 if message is _CLOSE:

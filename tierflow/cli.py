@@ -33,7 +33,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.traces import TraceOptions
 
     trace_opts = TraceOptions(
-        start_s=args.trace_start,
+        start_s=args.trace_start[0],
         duration_s=args.duration if args.duration is not None else 60.0,
         time_scale=args.trace_time_scale,
         length_scale=args.trace_length_scale,
@@ -63,21 +63,29 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.stack_bench import main as stack_main
 
         stack_main(cfg, args.json, args.plot)
+    elif len(args.trace_start) > 1:
+        from bench.windows import main as windows_main
+
+        windows_main(cfg, args.trace_start, args.json)
     else:
         main(cfg, args.json, args.plot)
     return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from bench.calibrate import calibrate
+    from bench.calibrate import calibrate_and_report
     from worker.engine import EngineConfig, PrefillEngine
     from worker.models import load_model
 
     loaded = load_model(args.model, device=args.device)
     engine = PrefillEngine(loaded.model, EngineConfig(chunk_size=args.chunk_size))
-    predictor = calibrate(engine)
+    predictor, error = calibrate_and_report(engine)
     predictor.save(args.out)
     print(f"{predictor!r} -> {args.out}")
+    print(
+        f"held-out relative error (n={error['n']}): p50 {error['abs_p50']:.1%}, "
+        f"p95 {error['abs_p95']:.1%}, bias {error['bias_p50']:+.1%}"
+    )
     return 0
 
 
@@ -183,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--duration", type=float, help="seconds of arrivals (default 60, quick 15)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--trace", type=Path, help="replay an Azure CSV or Mooncake JSONL trace")
-    b.add_argument("--trace-start", type=float, default=0.0, help="window start, seconds")
+    b.add_argument(
+        "--trace-start",
+        type=lambda text: tuple(float(x) for x in text.split(",")),
+        default=(0.0,),
+        help="window start in seconds; several, comma-separated: each window, then all together",
+    )
     b.add_argument(
         "--trace-time-scale",
         type=float,

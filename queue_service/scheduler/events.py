@@ -72,12 +72,15 @@ class RequestDone:
 
 @dataclass(frozen=True)
 class PreemptionAcked:
-    """The worker stopped the request; it holds its state unless ``state_dropped``."""
+    """The worker stopped the request; it holds its state unless ``state_dropped``.
+    ``latency_s``: from the Preempt reaching the worker to the engine stopping (0: unknown);
+    it teaches the scheduler how long a preemption takes to act."""
 
     request_id: str
     worker_id: str
     tokens_done: int
     state_dropped: bool
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)

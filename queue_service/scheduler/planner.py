@@ -10,8 +10,11 @@ it is preempted for, so that request does not cause a second preemption meanwhil
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
 from queue_service.scheduler.prediction_error import PredictionErrors
@@ -26,6 +29,14 @@ class Estimator:
     predictor: PrefillTimePredictor
     decode_s_per_token: float
     errors: PredictionErrors
+    # Observed preemption latencies (Preempt received -> engine stopped), newest last.
+    switch_samples: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+
+    def switch_s(self) -> float:
+        """p95 of the observed preemption latencies; 0 before the first one."""
+        if not self.switch_samples:
+            return 0.0
+        return float(np.quantile(np.fromiter(self.switch_samples, float), 0.95))
 
     def prefill_left(self, req: Request, now: float) -> float:
         if req.prefilled:
@@ -190,6 +201,7 @@ def _pick_victim(
 ) -> Request | None:
     waiting_left = estimator.prefill_left(req, now)
     margin = estimator.errors.margin()
+    switch_s = estimator.switch_s()
     eligible: list[tuple[SortKey, Request]] = []
     for worker_id, running in victims.items():
         if pinned is not None and worker_id != pinned:
@@ -200,7 +212,7 @@ def _pick_victim(
             if held >= rules.max_suspended_per_worker:
                 continue
         running_left = estimator.prefill_left(running, now)
-        outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due)
+        outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due, switch_s)
         if policy.should_preempt(req, running, now, outlook):
             eligible.append((policy.victim_key(running, now, running_left, busy_s), running))
     if not eligible:
@@ -215,12 +227,13 @@ def wakeups(
     prediction (the policy's ``latest_start_s``). A request whose wake-up fired has none."""
     if not policy.preempts:
         return {}
-    margin = estimator.errors.margin()
+    margin, switch_s = estimator.errors.margin(), estimator.switch_s()
     times: dict[str, float] = {}
     for req in waiting:
         if req.due:
             continue
-        at = policy.latest_start_s(req, now, estimator.prefill_left(req, now), margin)
+        left = estimator.prefill_left(req, now)
+        at = policy.latest_start_s(req, now, left, margin, switch_s)
         if at is not None:
             times[req.request_id] = at
     return times

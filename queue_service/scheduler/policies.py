@@ -52,6 +52,7 @@ class Outlook:
     wait_s: float  # predicted time until the waiting one starts if nothing is preempted
     margin: float = 0.0  # relative error to allow on predicted times (predictor's p95)
     due: bool = False  # the waiting request's wake-up fired: predictions failed it once
+    switch_s: float = 0.0  # observed time for a preemption to take effect (p95)
 
 
 class SchedulingPolicy(ABC):
@@ -77,7 +78,7 @@ class SchedulingPolicy(ABC):
         return False
 
     def latest_start_s(
-        self, req: Request, now: float, remaining_s: float, margin: float
+        self, req: Request, now: float, remaining_s: float, margin: float, switch_s: float
     ) -> float | None:
         """When a waiting request must be reconsidered at the latest (a wake-up), or None."""
         return None
@@ -154,7 +155,8 @@ class FlowPrefill(SchedulingPolicy):
     predictor's observed error margin; when it is late already (waiting only adds to its
     TTFT); or when its wake-up fired (it waited on a prediction that turned out wrong).
 
-    ``switch_s``: expected time for a preemption to take effect (about one layer).
+    ``switch_s``: the least time assumed for a preemption to take effect; the scheduler
+    passes the observed p95 (about one layer) when that is longer.
     """
 
     name = "flowprefill"
@@ -187,17 +189,19 @@ class FlowPrefill(SchedulingPolicy):
             return False
         if outlook.due:
             return True
-        if slack_s(waiting, now + self.switch_s, outlook.waiting_remaining_s) < 0:
-            return outlook.wait_s > self.switch_s  # late: only if stopping it saves time
+        switch = max(self.switch_s, outlook.switch_s)
+        if slack_s(waiting, now + switch, outlook.waiting_remaining_s) < 0:
+            return outlook.wait_s > switch  # late: only if stopping it saves time
         inflated = (outlook.wait_s + outlook.waiting_remaining_s) * (1 + outlook.margin)
-        return now + inflated + self.switch_s > waiting.deadline_s
+        return now + inflated + switch > waiting.deadline_s
 
     def latest_start_s(
-        self, req: Request, now: float, remaining_s: float, margin: float
+        self, req: Request, now: float, remaining_s: float, margin: float, switch_s: float
     ) -> float | None:
         if req.prefilled:
             return None
-        latest = req.deadline_s - remaining_s * (1 + margin) - self.switch_s
+        switch = max(self.switch_s, switch_s)
+        latest = req.deadline_s - remaining_s * (1 + margin) - switch
         return latest if latest > now else None  # late already: nothing left to wait for
 
     def victim_key(

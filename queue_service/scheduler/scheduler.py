@@ -243,6 +243,8 @@ class Scheduler:
             return []  # it finished or was cancelled before the worker saw the Preempt
         worker = self._workers[ev.worker_id]
         worker.active = None
+        if ev.latency_s > 0:
+            self._estimator.switch_samples.append(ev.latency_s)
         if ev.state_dropped:
             req.restart_from_scratch()
             self._counters["restarts"] += 1
@@ -440,6 +442,10 @@ class Scheduler:
 
     def live_requests(self) -> int:
         return len(self._requests)
+
+    def switch_s(self) -> float:
+        """The observed p95 time for a preemption to take effect."""
+        return self._estimator.switch_s()
 
     def timers(self) -> dict[str, float]:
         """Request id -> the wake-up armed for it."""
