@@ -34,6 +34,7 @@ from queue_service.scheduler import (
     make_policy,
 )
 from queue_service.worker_api import WorkerApi
+from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.tiers import load_tiers
@@ -61,8 +62,6 @@ class QueueService:
     """Builds the parts and owns their lifetimes."""
 
     def __init__(self, config: QueueServiceConfig) -> None:
-        from worker.models import load_model_info
-
         self.config = config
         info = load_model_info(config.model)
         tiers = load_tiers(config.tiers_file)
@@ -98,7 +97,7 @@ class QueueService:
                 max_prompt_tokens=info.max_positions - 1, max_new_tokens=config.max_new_tokens
             ),
             publish=self.kafka.publish,
-            tokenize=lambda text: info.tokenizer(text)["input_ids"],
+            tokenize=info.tokenizer.encode,
             vocab_size=info.vocab_size,
         )
         self.health = health.aio.HealthServicer()
