@@ -26,6 +26,7 @@ from bench.stack_client import Credentials, replay
 from bench.workload import Arrival, TierMix, Workload, synthetic
 from tierflow.builtin_tokenizer import CORPUS_PATH
 from tierflow.catalogue import load_model_info
+from tierflow.local_stack import LocalStack, StackConfig
 from tierflow.processes import REPO
 from tierflow.tiers import load_tiers
 from tierflow.tokenizer import TextTokenizer
@@ -53,7 +54,7 @@ DEMO_MIX = (
 
 @dataclass(frozen=True)
 class DemoConfig:
-    model: str = "smollm2"
+    model: str = StackConfig.model
     duration_s: float = 60.0
     seed: int = 0
     out_dir: Path = Path("out")
@@ -97,7 +98,6 @@ class DemoPrompts:
 
 def run_demo(cfg: DemoConfig) -> dict:
     from gateway.demo_keys import DEMO_KEYS
-    from tierflow.local_stack import LocalStack, StackConfig
 
     console = Console()
     tiers = load_tiers(cfg.tiers_file)

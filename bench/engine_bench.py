@@ -38,7 +38,7 @@ from worker.request import GenerationRequest
 class EngineBenchConfig:
     model: str = "bench-llama"
     prompt_tokens: int = 4096
-    chunk_size: int = 2048  # the C of the layer-vs-chunk latency comparison
+    chunk_size: int = EngineConfig.chunk_size  # the C of the layer-vs-chunk latency comparison
     chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     repeats: int = 3  # timed prefills per configuration (median is reported)
     latency_samples: int = 20  # per check granularity

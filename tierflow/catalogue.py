@@ -32,6 +32,9 @@ from typing import Literal
 from tierflow import tokenizer as text_tokenizer
 from tierflow.tokenizer import TextTokenizer
 
+# What a queue service and a worker serve when told nothing: the two must serve the same model.
+DEFAULT_MODEL = "tiny-llama"
+
 
 class ModelLoadError(ValueError):
     """A model could not be loaded, or is not one the layer-wise engine can run."""

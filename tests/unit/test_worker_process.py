@@ -30,9 +30,11 @@ import torch
 
 from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker import wire
+from worker.backoff import Backoff
+from worker.config import WorkerConfig
 from worker.engine import EngineConfig, PrefillEngine
 from worker.events import Preempted
-from worker.process import Backoff, WorkerConfig, WorkerProcess
+from worker.process import WorkerProcess
 from worker.request import InvalidRequestError
 from worker.task import ResumePoint
 
