@@ -1,10 +1,18 @@
-# One image for tierflow's Python services: the gateway, the queue service and the workers (and
-# the init step that writes Envoy's descriptor set). docker-compose.yml builds it as
-# tierflow:local and runs each service with its own command.
+# Two images for tierflow's Python services, one target each:
 #
-# torch comes from PyPI, whose Linux x86_64 wheels carry CUDA: the same image runs a worker on a
-# GPU (compose reserves one per worker) and the CPU-only services.
-FROM python:3.11-slim-bookworm
+#   service  the queue service, the gateway and the init step that writes Envoy's descriptor set.
+#            No torch, no transformers: these processes never run the model (the queue service
+#            reads its tokenizer through tierflow.catalogue), and leaving the model stack out
+#            makes the image a fraction of the worker's size.
+#   worker   the workers. torch comes from PyPI, whose Linux x86_64 wheels carry CUDA: compose
+#            reserves one GPU per worker.
+#
+# docker-compose.yml builds both (tierflow-service:local, tierflow-worker:local); by hand:
+#   docker build --target service -t tierflow-service:local .
+#   docker build --target worker -t tierflow-worker:local .
+# Each image's dependencies come from docker/requirements.py, which reads them from
+# pyproject.toml (why there, and not from extras, is said there).
+FROM python:3.11-slim-bookworm AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -15,31 +23,41 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# The dependencies first, read from pyproject.toml alone, so that a code change rebuilds only
-# the layers below and does not download torch again.
-COPY pyproject.toml README.md ./
-RUN python -c "import subprocess, sys, tomllib; \
-deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-subprocess.check_call([sys.executable, '-m', 'pip', 'install', *deps])"
-
-# Then the project itself. protos/ and config/ travel too: the descriptor-set step compiles
-# protos/, and config/ holds the default tiers and the demo keys (mount real ones over it).
-COPY tierflow/ tierflow/
-COPY worker/ worker/
-COPY queue_service/ queue_service/
-COPY gateway/ gateway/
-COPY bench/ bench/
-COPY protos/ protos/
-COPY config/ config/
-RUN pip install --no-deps .
-
 # Not root. /models (model directories, the Hugging Face cache, tierflow's converted models)
 # and /descriptors (Envoy's descriptor set) are mount points for named volumes, which start
 # with this ownership.
 RUN useradd --create-home --uid 10001 tierflow \
     && mkdir -p /models /descriptors \
     && chown tierflow:tierflow /models /descriptors
-USER tierflow
 
+# The dependency lists first, so that a code change rebuilds only the layers below the install
+# and does not download torch again.
+COPY pyproject.toml README.md ./
+COPY docker/requirements.py docker/
+
+
+FROM base AS service
+RUN python docker/requirements.py service > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
+# protos/ and config/ travel too: the descriptor-set step compiles protos/, and config/ holds
+# the default tiers and the demo keys (mount real ones over it).
+COPY tierflow/ tierflow/
+COPY queue_service/ queue_service/
+COPY gateway/ gateway/
+COPY protos/ protos/
+COPY config/ config/
+RUN pip install --no-deps .
+USER tierflow
 EXPOSE 50051 50052
 CMD ["python", "-m", "queue_service.server", "--help"]
+
+
+FROM base AS worker
+RUN python docker/requirements.py worker > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
+COPY tierflow/ tierflow/
+COPY worker/ worker/
+COPY config/ config/
+RUN pip install --no-deps .
+USER tierflow
+CMD ["python", "-m", "worker.process", "--help"]

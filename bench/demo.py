@@ -24,8 +24,12 @@ from bench.metrics import summarise
 from bench.report import plot_ttft_cdfs
 from bench.stack_client import Credentials, replay
 from bench.workload import Arrival, TierMix, Workload, synthetic
+from tierflow.builtin_tokenizer import CORPUS_PATH
+from tierflow.catalogue import load_model_info
+from tierflow.local_stack import LocalStack, StackConfig
 from tierflow.processes import REPO
 from tierflow.tiers import load_tiers
+from tierflow.tokenizer import TextTokenizer
 
 CRITICAL_QUESTIONS = (
     "What is the capital of France?",
@@ -50,7 +54,7 @@ DEMO_MIX = (
 
 @dataclass(frozen=True)
 class DemoConfig:
-    model: str = "smollm2"
+    model: str = StackConfig.model
     duration_s: float = 60.0
     seed: int = 0
     out_dir: Path = Path("out")
@@ -61,26 +65,23 @@ class DemoConfig:
 class DemoPrompts:
     """Real text: chat-formatted questions, and documents cut from the project's own corpus."""
 
-    def __init__(self, tokenizer, seed: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, seed: int) -> None:
         self.tokenizer = tokenizer
         self.rng = random.Random(seed)
-        corpus = (REPO / "worker" / "assets" / "corpus.txt").read_text()
+        corpus = CORPUS_PATH.read_text()
         self.paragraphs = [p.strip() for p in corpus.split("\n\n") if len(p.strip()) > 200]
         self.questions: dict[str, str] = {}
 
     def _chat(self, text: str) -> list[int]:
         messages = [{"role": "user", "content": text}]
-        encoded = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _document(self, tokens: int) -> str:
         parts, length = [], 0
         while length < tokens:
             paragraph = self.rng.choice(self.paragraphs)
             parts.append(paragraph)
-            length += len(self.tokenizer(paragraph)["input_ids"])
+            length += len(self.tokenizer.encode(paragraph))
         return "\n\n".join(parts)
 
     def for_arrival(self, arrival: Arrival) -> list[int]:
@@ -97,8 +98,6 @@ class DemoPrompts:
 
 def run_demo(cfg: DemoConfig) -> dict:
     from gateway.demo_keys import DEMO_KEYS
-    from tierflow.local_stack import LocalStack, StackConfig
-    from worker.models import load_model_info
 
     console = Console()
     tiers = load_tiers(cfg.tiers_file)

@@ -38,7 +38,7 @@ from worker.request import GenerationRequest
 class EngineBenchConfig:
     model: str = "bench-llama"
     prompt_tokens: int = 4096
-    chunk_size: int = 2048  # the C of the layer-vs-chunk latency comparison
+    chunk_size: int = EngineConfig.chunk_size  # the C of the layer-vs-chunk latency comparison
     chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     repeats: int = 3  # timed prefills per configuration (median is reported)
     latency_samples: int = 20  # per check granularity
@@ -135,82 +135,38 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
     console = console or Console()
     loaded = load_model(cfg.model, device=cfg.device)
     model = loaded.model
-    n_layers = len(model.model.layers)
     rng = random.Random(cfg.seed)
-    vocab = model.config.vocab_size
-    ids = tuple(rng.randrange(3, vocab) for _ in range(cfg.prompt_tokens))
+    ids = tuple(rng.randrange(3, model.config.vocab_size) for _ in range(cfg.prompt_tokens))
     engine_for = {
         (c, check): PrefillEngine(model, EngineConfig(chunk_size=c, check=check))
         for c in (*cfg.chunk_sizes, cfg.chunk_size, None)
         for check in ("layer", "chunk", "none")
     }
-    whole = engine_for[(None, "layer")]
     n_prefills = 1 + (len(cfg.chunk_sizes) + 1) * cfg.repeats + 2 * cfg.repeats
     with Progress(console=console, transient=True) as progress:
         bar = progress.add_task(
             f"engine-bench {loaded.name}", total=n_prefills + 2 * cfg.latency_samples
         )
-        timed_prefill(whole, ids[:256])  # warm-up: first calls allocate and pick kernels
 
-        timer = LayerTimer(model.model.layers, model.device)
-        try:
-            timed_prefill(engine_for[(cfg.chunk_size, "layer")], ids)
-        finally:
-            timer.remove()
-        progress.advance(bar)
-        layer_times = timer.times
+        def advance() -> None:
+            progress.advance(bar)
 
-        # Chunk cost: interleave configurations so drift hits all of them alike.
-        prefill_times: dict[int | None, list[float]] = {c: [] for c in (*cfg.chunk_sizes, None)}
-        for _ in range(cfg.repeats):
-            for c in prefill_times:
-                prefill_times[c].append(timed_prefill(engine_for[(c, "layer")], ids))
-                progress.advance(bar)
-        whole_time = statistics.median(prefill_times[None])
-        chunk_cost = {
-            str(c): statistics.median(prefill_times[c]) / whole_time for c in cfg.chunk_sizes
+        timed_prefill(engine_for[(None, "layer")], ids[:256])  # warm-up: allocations, kernels
+        layer_times = _layer_times(engine_for[(cfg.chunk_size, "layer")], ids)
+        advance()
+        whole_time, chunk_cost = _chunk_cost(engine_for, cfg, ids, advance)
+        overhead = _check_overhead(engine_for, cfg, ids, len(model.model.layers), advance)
+        latency = {
+            check: _preemption_latencies(
+                engine_for[(cfg.chunk_size, check)], cfg, ids, overhead["prefill_s"], rng, advance
+            )
+            for check in ("layer", "chunk")
         }
-
-        # Check overhead, A/B at the benchmark chunk size.
-        ab: dict[str, list[float]] = {"layer": [], "none": []}
-        for _ in range(cfg.repeats):
-            for check in ab:
-                ab[check].append(timed_prefill(engine_for[(cfg.chunk_size, check)], ids))
-                progress.advance(bar)
-        prefill_c = statistics.median(ab["none"])
-        ab_overhead = statistics.median(ab["layer"]) / prefill_c - 1
-        n_chunks = -(-cfg.prompt_tokens // cfg.chunk_size)
-        checks_per_prefill = n_chunks * n_layers
-        check_cost = per_check_seconds()
-        check_overhead = checks_per_prefill * check_cost / prefill_c
-
-        latency: dict[str, dict] = {}
-        for check in ("layer", "chunk"):
-            samples, finished = [], 0
-            while len(samples) < cfg.latency_samples:
-                # Uniform over the first 90% of a prefill: a flag can land anywhere in a layer
-                # or chunk. Runs that ended before the flag was raised are drawn again.
-                delay = rng.uniform(0.0, 0.9) * prefill_c
-                measured = preemption_latency(engine_for[(cfg.chunk_size, check)], ids, delay)
-                if measured is None:
-                    continue
-                seconds, status = measured
-                samples.append(seconds * 1000)
-                finished += status is RunStatus.FINISHED
-                progress.advance(bar)
-            latency[check] = {
-                "p50": percentile(samples, 50),
-                "p99": percentile(samples, 99),
-                "n": len(samples),
-                "ran_to_completion": finished,
-                "samples_ms": samples,
-            }
-
     return {
         "model": loaded.name,
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
-        "layers": n_layers,
+        "layers": len(model.model.layers),
         "prompt_tokens": cfg.prompt_tokens,
         "chunk_size": cfg.chunk_size,
         "layer_time_ms": {
@@ -220,11 +176,78 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
         },
         "whole_prompt_prefill_ms": whole_time * 1000,
         "chunk_cost": chunk_cost,
-        "check_overhead_pct": check_overhead * 100,
-        "check_overhead_ab_pct": ab_overhead * 100,
-        "check_cost_ns": check_cost * 1e9,
-        "checks_per_prefill": checks_per_prefill,
+        "check_overhead_pct": overhead["overhead"] * 100,
+        "check_overhead_ab_pct": overhead["ab_overhead"] * 100,
+        "check_cost_ns": overhead["check_cost_s"] * 1e9,
+        "checks_per_prefill": overhead["checks_per_prefill"],
         "preemption_latency_ms": latency,
+    }
+
+
+def _layer_times(engine: PrefillEngine, ids: tuple[int, ...]) -> list[float]:
+    """Wall time of every decoder-layer call during one whole prefill."""
+    timer = LayerTimer(engine.layers, engine.device)
+    try:
+        timed_prefill(engine, ids)
+    finally:
+        timer.remove()
+    return timer.times
+
+
+def _chunk_cost(engine_for, cfg: EngineBenchConfig, ids, advance) -> tuple[float, dict]:
+    """Whole-prompt prefill time, and each chunk size's prefill time relative to it.
+    Configurations are interleaved so that drift hits all of them alike."""
+    prefill_times: dict[int | None, list[float]] = {c: [] for c in (*cfg.chunk_sizes, None)}
+    for _ in range(cfg.repeats):
+        for c in prefill_times:
+            prefill_times[c].append(timed_prefill(engine_for[(c, "layer")], ids))
+            advance()
+    whole_time = statistics.median(prefill_times[None])
+    chunk_cost = {str(c): statistics.median(prefill_times[c]) / whole_time for c in cfg.chunk_sizes}
+    return whole_time, chunk_cost
+
+
+def _check_overhead(engine_for, cfg: EngineBenchConfig, ids, n_layers: int, advance) -> dict:
+    """The preemption check's cost: estimated (checks x cost of one), and an A/B of layer
+    checks against none at the benchmark chunk size."""
+    ab: dict[str, list[float]] = {"layer": [], "none": []}
+    for _ in range(cfg.repeats):
+        for check in ab:
+            ab[check].append(timed_prefill(engine_for[(cfg.chunk_size, check)], ids))
+            advance()
+    prefill_s = statistics.median(ab["none"])
+    checks_per_prefill = -(-cfg.prompt_tokens // cfg.chunk_size) * n_layers
+    check_cost_s = per_check_seconds()
+    return {
+        "prefill_s": prefill_s,
+        "ab_overhead": statistics.median(ab["layer"]) / prefill_s - 1,
+        "checks_per_prefill": checks_per_prefill,
+        "check_cost_s": check_cost_s,
+        "overhead": checks_per_prefill * check_cost_s / prefill_s,
+    }
+
+
+def _preemption_latencies(
+    engine: PrefillEngine, cfg: EngineBenchConfig, ids, prefill_s: float, rng, advance
+) -> dict:
+    samples, finished = [], 0
+    while len(samples) < cfg.latency_samples:
+        # Uniform over the first 90% of a prefill: a flag can land anywhere in a layer or chunk.
+        # Runs that ended before the flag was raised are drawn again.
+        delay = rng.uniform(0.0, 0.9) * prefill_s
+        measured = preemption_latency(engine, ids, delay)
+        if measured is None:
+            continue
+        seconds, status = measured
+        samples.append(seconds * 1000)
+        finished += status is RunStatus.FINISHED
+        advance()
+    return {
+        "p50": percentile(samples, 50),
+        "p99": percentile(samples, 99),
+        "n": len(samples),
+        "ran_to_completion": finished,
+        "samples_ms": samples,
     }
 
 

@@ -48,7 +48,7 @@ class PolicyBenchConfig:
     model: str = "bench-llama"
     device: str | None = None
     policies: tuple[str, ...] = tuple(POLICIES)
-    chunk_size: int = 2048  # engine chunk of every policy but chunked
+    chunk_size: int = EngineConfig.chunk_size  # engine chunk of every policy but chunked
     chunked_chunk_size: int = 512  # C of the chunked baseline
     workers: int = 1
     duration_s: float = 60.0

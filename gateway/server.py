@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -23,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.authz import Authorizer
+from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
 from tierflow.logging import configure_logging
 from tierflow.tiers import load_tiers
@@ -30,16 +30,6 @@ from tierflow.tiers import load_tiers
 log = structlog.get_logger("gateway")
 
 AUTHZ_SERVICE = external_auth_pb2.DESCRIPTOR.services_by_name["Authorization"].full_name
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    listen: str = "127.0.0.1:50052"
-    keys_file: Path = REPO / "config" / "keys.toml"
-    tiers_file: Path | None = None  # None: $TIERFLOW_TIERS_FILE, else config/tiers.toml
-    keys_check_interval_s: float = 1.0  # how often a Check looks at the keys file's mtime
-    grace_s: float = 5.0
 
 
 class Gateway:
@@ -98,13 +88,13 @@ class Gateway:
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m gateway.server", description=__doc__.split("\n")[0])
-    p.add_argument("--listen", default="127.0.0.1:50052", help="host:port (port 0: any free)")
+    p.add_argument("--listen", default=GatewayConfig.listen, help="host:port (port 0: any free)")
     p.add_argument("--keys", type=Path, default=GatewayConfig.keys_file, help="keys TOML file")
     p.add_argument("--tiers", type=Path, help="tiers TOML (default $TIERFLOW_TIERS_FILE or config)")
     p.add_argument(
         "--keys-check-interval",
         type=float,
-        default=1.0,
+        default=GatewayConfig.keys_check_interval_s,
         help="seconds between looks at the keys file's mtime (0: at every Check)",
     )
     args = p.parse_args(argv)

@@ -17,9 +17,15 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from queue_service.admission import AdmissionError, AdmissionLimits, admit, tier_from_metadata
-from queue_service.core import ClientError, ServiceCore
-from queue_service.live import Outcome
+from queue_service.admission import (
+    AdmissionError,
+    AdmissionLimits,
+    Admitted,
+    admit,
+    tier_from_metadata,
+)
+from queue_service.core import ClientError, ClientItem, ServiceCore
+from queue_service.live import LiveRequest, Outcome
 from tierflow.tiers import TierTable
 from tierflow.v1 import queue_pb2, serving_pb2, serving_pb2_grpc
 
@@ -47,86 +53,23 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateEvent]:
-        try:
-            tier = tier_from_metadata(context.invocation_metadata() or (), self.tiers)
-            admitted = admit(request, tier, self.limits, self.tokenize, self.vocab_size)
-        except AdmissionError as exc:
-            await context.abort(exc.code, exc.message)
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed")
-        timeout_s = _earliest(remaining, admitted.timeout_ms / 1000 or None)
-
+        tier, admitted, timeout_s = await self._admit(request, context)
         request_id = admitted.request_id
-        known = self.core.lookup(request_id)
-        if request_id in self.core.clients:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request {request_id} is already being streamed to another client",
-            )
+        known = await self._known_request(request_id, context)
         if known is not None and known.outcome is Outcome.DONE:
             # Idempotent retry of a finished request: answer with its result again.
-            yield serving_pb2.GenerateEvent(
-                request_id=request_id,
-                done=serving_pb2.Done(
-                    usage=known.usage(),
-                    timings=known.timings(self.core.clock()),
-                    text=self.core.decode(known.output_ids),
-                ),
-            )
+            yield self._done_again(known)
             return
-        if known is not None and known.outcome is not Outcome.LIVE:
-            await context.abort(
-                grpc.StatusCode.ABORTED,
-                f"request {request_id} already ended ({known.outcome.value}); "
-                "send it again with a new request_id",
-            )
-
-        log_ = log.bind(request_id=request_id, tier=tier)
         queue = self.core.open_client(request_id)
         finished = False
         try:
             if known is None:  # a new request: durable in Kafka before we say Queued
-                record = queue_pb2.QueuedRequest(
-                    request_id=request_id,
-                    tier=tier,
-                    prompt_ids=admitted.prompt_ids,
-                    max_new_tokens=admitted.max_new_tokens,
-                    sampling=serving_pb2.SamplingParams(
-                        temperature=admitted.temperature, top_p=admitted.top_p, seed=admitted.seed
-                    ),
-                    stop_at_eos=True,
-                    arrival_unix_ms=int(time.time() * 1000),
-                    deadline_unix_ms=int((time.time() + timeout_s) * 1000) if timeout_s else 0,
-                    reply_to=self.core.instance_id,
-                )
-                position = self.core.queue_position(tier)
-                try:
-                    await asyncio.get_running_loop().run_in_executor(None, self.publish, record)
-                except Exception as exc:  # broker unreachable or refused: nothing was queued
-                    log_.error("kafka publish failed", error=str(exc))
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, f"request queue unavailable: {exc}"
-                    )
-                log_.info("queued", prompt_tokens=len(admitted.prompt_ids))
-                yield serving_pb2.GenerateEvent(
-                    request_id=request_id,
-                    queued=serving_pb2.Queued(
-                        tier=tier, position=position, prompt_tokens=len(admitted.prompt_ids)
-                    ),
-                )
+                yield await self._enqueue(tier, admitted, timeout_s, context)
             else:
-                log_.info("client joined a live request")
+                log.info("client joined a live request", request_id=request_id, tier=tier)
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while True:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    item = await asyncio.wait_for(queue.get(), wait)
-                except TimeoutError:
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"request {request_id} did not finish within its deadline",
-                    )
+                item = await self._next_item(queue, deadline, request_id, context)
                 if isinstance(item, ClientError):
                     finished = True
                     await context.abort(item.code, item.message)
@@ -141,6 +84,104 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
                 self.core.close_client(request_id)
             else:
                 self.core.client_gone(request_id)
+
+    async def _admit(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[str, Admitted, float | None]:
+        """The tier, the validated and tokenised request, and how long it may take (seconds,
+        None: no limit); or the call ends with the status that says why not."""
+        try:
+            tier = tier_from_metadata(context.invocation_metadata() or (), self.tiers)
+            admitted = admit(request, tier, self.limits, self.tokenize, self.vocab_size)
+        except AdmissionError as exc:
+            await context.abort(exc.code, exc.message)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed")
+        return tier, admitted, _earliest(remaining, admitted.timeout_ms / 1000 or None)
+
+    async def _known_request(
+        self, request_id: str, context: grpc.aio.ServicerContext
+    ) -> LiveRequest | None:
+        """What this instance knows of ``request_id`` (a retry): live or done. Ends the call
+        when another client streams it, or when it ended otherwise than done."""
+        known = self.core.lookup(request_id)
+        if request_id in self.core.clients:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {request_id} is already being streamed to another client",
+            )
+        if known is not None and known.outcome not in (Outcome.LIVE, Outcome.DONE):
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"request {request_id} already ended ({known.outcome.value}); "
+                "send it again with a new request_id",
+            )
+        return known
+
+    def _done_again(self, known: LiveRequest) -> serving_pb2.GenerateEvent:
+        return serving_pb2.GenerateEvent(
+            request_id=known.request_id,
+            done=serving_pb2.Done(
+                usage=known.usage(),
+                timings=known.timings(self.core.clock()),
+                text=self.core.decode(known.output_ids),
+            ),
+        )
+
+    async def _enqueue(
+        self,
+        tier: str,
+        admitted: Admitted,
+        timeout_s: float | None,
+        context: grpc.aio.ServicerContext,
+    ) -> serving_pb2.GenerateEvent:
+        """Write the request to its tier's topic; ``Queued`` once the broker acknowledged it."""
+        now = time.time()
+        record = queue_pb2.QueuedRequest(
+            request_id=admitted.request_id,
+            tier=tier,
+            prompt_ids=admitted.prompt_ids,
+            max_new_tokens=admitted.max_new_tokens,
+            sampling=serving_pb2.SamplingParams(
+                temperature=admitted.temperature, top_p=admitted.top_p, seed=admitted.seed
+            ),
+            stop_at_eos=True,
+            arrival_unix_ms=int(now * 1000),
+            deadline_unix_ms=int((now + timeout_s) * 1000) if timeout_s else 0,
+            reply_to=self.core.instance_id,
+        )
+        position = self.core.queue_position(tier)
+        log_ = log.bind(request_id=admitted.request_id, tier=tier)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.publish, record)
+        except Exception as exc:  # broker unreachable or refused: nothing was queued
+            log_.error("kafka publish failed", error=str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request queue unavailable: {exc}")
+        log_.info("queued", prompt_tokens=len(admitted.prompt_ids))
+        return serving_pb2.GenerateEvent(
+            request_id=admitted.request_id,
+            queued=serving_pb2.Queued(
+                tier=tier, position=position, prompt_tokens=len(admitted.prompt_ids)
+            ),
+        )
+
+    @staticmethod
+    async def _next_item(
+        queue: asyncio.Queue[ClientItem],
+        deadline: float | None,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+    ) -> ClientItem:
+        """The request's next event or error; the call ends when its deadline passes first."""
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(queue.get(), wait)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"request {request_id} did not finish within its deadline",
+            )
 
     async def GetRequest(
         self, request: serving_pb2.GetRequestRequest, context: grpc.aio.ServicerContext

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,6 +35,7 @@ from queue_service.scheduler import (
     RequestDone,
     Scheduler,
 )
+from tierflow.recent import RecentMap
 from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2
 
 log = structlog.get_logger("queue_service")
@@ -101,8 +101,7 @@ class ServiceCore:
         self.decode = decode
         self.clock = clock
         self.live: dict[str, LiveRequest] = {}
-        self.finished: OrderedDict[str, LiveRequest] = OrderedDict()
-        self.remember_finished = remember_finished
+        self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
         self.clients: dict[str, asyncio.Queue[ClientItem]] = {}
         self.dispatcher = Dispatcher(
             scheduler,
@@ -370,8 +369,6 @@ class ServiceCore:
         live.outcome, live.state, live.error = outcome, state, error
         self.live.pop(live.request_id, None)
         self.finished[live.request_id] = live
-        while len(self.finished) > self.remember_finished:
-            self.finished.popitem(last=False)
         if live.delivery is not None:
             self.transport.finished(live.delivery)
 

@@ -8,11 +8,12 @@
   buffered record is dropped again (its partition is rewound, nothing is lost).
 * **Committed when finished.** An offset is committed only when the request at it is finished,
   in any order: per partition the consumer commits the lowest offset not yet finished, and puts
-  the finished offsets above it in the commit's metadata. A consumer that restarts in the same
-  group therefore re-delivers exactly the requests that were not finished (at-least-once; the
-  only duplicates are requests whose finish had not reached the broker yet). A request id seen
-  twice (a retry that was written twice, a re-delivery after a rebalance) is handed out once
-  while the first is live, and not again for a while after it finished.
+  the finished offsets above it in the commit's metadata (``queue_service.offset_ledger``). A
+  consumer that restarts in the same group therefore re-delivers exactly the requests that were
+  not finished (at-least-once; the only duplicates are requests whose finish had not reached the
+  broker yet). A request id seen twice (a retry that was written twice, a re-delivery after a
+  rebalance) is handed out once while the first is live, and not again for a while after it
+  finished.
 
 Threads (kafka-python is blocking, and its consumer is not thread-safe): ``poll``, ``waiting``,
 ``paused_tiers`` and ``close`` belong to ONE thread, the consumer thread, which calls ``poll`` in
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -39,7 +40,9 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from queue_service.kafka_io import QueueUnavailableError, tier_names
+from queue_service.offset_ledger import Ledger, parse_metadata
 from tierflow.kafka_settings import KafkaSettings
+from tierflow.recent import RecentMap
 from tierflow.tiers import TierPolicy
 from tierflow.v1 import queue_pb2
 
@@ -48,11 +51,6 @@ log = structlog.get_logger("queue_service.priority_consumer")
 # How long the consumer thread waits inside Kafka before it looks again at finished requests to
 # commit and at the priorities to apply: a commit is at most this late.
 POLL_SLICE_S = 0.05
-# Commit metadata: "tf1:" and the finished offsets above the committed one, as distances from it.
-# The broker's default offset.metadata.max.bytes is 4096; offsets that do not fit are left out
-# (such requests would be re-delivered after a restart, never lost).
-_METADATA_PREFIX = "tf1:"
-_METADATA_MAX_CHARS = 4000
 
 
 @dataclass(frozen=True)
@@ -82,66 +80,6 @@ class _Live:
 
     delivered: DeliveredRequest
     aliases: set[tuple[TopicPartition, int]] = field(default_factory=set)
-
-
-class _Ledger:
-    """The offsets of one partition read since its last commit point, in order, and which are
-    finished: what to commit, and what to skip when the partition is read again."""
-
-    def __init__(self, committed: int | None, prefinished: set[int]) -> None:
-        self.offsets: deque[int] = deque()
-        self.done: dict[int, bool] = {}
-        self.end = committed  # the offset after the last one read (or the committed one)
-        self.prefinished = prefinished  # finished before a restart (from the commit metadata)
-        self.last_commit: tuple[int, str] | None = None
-
-    def add(self, offset: int, done: bool) -> bool:
-        """Track a record just read; False when it is one already tracked or committed."""
-        if self.end is not None and offset < self.end:
-            return False
-        self.offsets.append(offset)
-        self.done[offset] = done
-        self.end = offset + 1
-        return True
-
-    def mark_done(self, offset: int) -> bool:
-        if self.done.get(offset) is False:
-            self.done[offset] = True
-            return True
-        return False
-
-    def forget_from(self, offset: int) -> None:
-        """The partition was rewound to ``offset``: what was read from there on is read again."""
-        while self.offsets and self.offsets[-1] >= offset:
-            del self.done[self.offsets.pop()]
-        self.end = offset
-
-    def commit_point(self) -> tuple[int, str] | None:
-        """(offset to commit, metadata listing the finished offsets above it)."""
-        while self.offsets and self.done[self.offsets[0]]:
-            del self.done[self.offsets.popleft()]
-        if self.offsets:
-            watermark = self.offsets[0]
-        elif self.end is not None:
-            watermark = self.end
-        else:
-            return None
-        self.prefinished = {o for o in self.prefinished if o >= watermark}
-        above = [o - watermark for o in self.offsets if self.done[o]]
-        metadata = _METADATA_PREFIX + ",".join(map(str, above)) if above else ""
-        while len(metadata) > _METADATA_MAX_CHARS:
-            metadata = metadata[: metadata.rindex(",")]
-        return watermark, metadata
-
-
-def _parse_metadata(committed: int, metadata: str) -> set[int]:
-    if not metadata.startswith(_METADATA_PREFIX):
-        return set()
-    try:
-        return {committed + int(d) for d in metadata[len(_METADATA_PREFIX) :].split(",") if d}
-    except ValueError:
-        log.warning("unreadable commit metadata ignored", metadata=metadata[:80])
-        return set()
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -183,13 +121,12 @@ class PriorityConsumer:
         if not self.tiers:
             raise ValueError("a priority consumer needs at least one tier")
         self.max_buffered = max_buffered
-        self.remember_finished = remember_finished
         self._tier_of_topic = {settings.tier_topic(t): t for t in self.tiers}
         self._rank = {t: i for i, t in enumerate(self.tiers)}
         self._buffer: list[deque[DeliveredRequest]] = [deque() for _ in self.tiers]
-        self._ledgers: dict[TopicPartition, _Ledger] = {}
+        self._ledgers: dict[TopicPartition, Ledger] = {}
         self._live: dict[str, _Live] = {}
-        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        self._finished_ids: RecentMap[str, None] = RecentMap(max(0, remember_finished))
         # End offsets learnt by asking (ListOffsets) when a partition's own fetches are stale.
         self._known_end: dict[TopicPartition, int] = {}
         self._events: deque[tuple[str, frozenset[TopicPartition]]] = deque()
@@ -329,7 +266,7 @@ class PriorityConsumer:
             if live is not None and live.delivered == delivered:
                 del self._live[delivered.request_id]
                 places |= live.aliases
-            self._remember_finished(delivered.request_id)
+            self._finished_ids.add(delivered.request_id)
             for tp, offset in places:
                 ledger = self._ledgers.get(tp)
                 if ledger is not None and ledger.mark_done(offset):
@@ -427,7 +364,7 @@ class PriorityConsumer:
     def _rank_of(self, tp: TopicPartition) -> int:
         return self._rank[self._tier_of_topic[tp.topic]]
 
-    def _ledger(self, tp: TopicPartition) -> _Ledger:
+    def _ledger(self, tp: TopicPartition) -> Ledger:
         ledger = self._ledgers.get(tp)
         if ledger is None:
             # First read since (re)assignment: learn which offsets above the committed one were
@@ -441,8 +378,8 @@ class PriorityConsumer:
                 meta = None
             if meta is not None and meta.offset is not None and meta.offset >= 0:
                 committed = meta.offset
-                prefinished = _parse_metadata(committed, meta.metadata or "")
-            ledger = self._ledgers[tp] = _Ledger(committed, prefinished)
+                prefinished = parse_metadata(committed, meta.metadata or "")
+            ledger = self._ledgers[tp] = Ledger(committed, prefinished)
         return ledger
 
     def _ingest(self, records: dict) -> None:
@@ -454,7 +391,7 @@ class PriorityConsumer:
             for rec in batch:
                 self._ingest_one(tier, tp, ledger, rec)
 
-    def _ingest_one(self, tier: str, tp: TopicPartition, ledger: _Ledger, rec) -> None:
+    def _ingest_one(self, tier: str, tp: TopicPartition, ledger: Ledger, rec) -> None:
         if rec.offset in ledger.prefinished:
             if ledger.add(rec.offset, done=True):
                 self._dirty.add(tp)
@@ -539,14 +476,6 @@ class PriorityConsumer:
             return []
         queue = self._buffer[top]
         return [queue.popleft() for _ in range(min(limit, len(queue)))]
-
-    def _remember_finished(self, request_id: str) -> None:
-        if self.remember_finished <= 0:
-            return
-        self._finished_ids[request_id] = None
-        self._finished_ids.move_to_end(request_id)
-        while len(self._finished_ids) > self.remember_finished:
-            self._finished_ids.popitem(last=False)
 
 
 def _log_commit_failure(offsets: dict, response: object) -> None:

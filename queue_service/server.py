@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
-import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -25,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from queue_service.admission import AdmissionLimits
 from queue_service.client_api import ClientApi
+from queue_service.config import QueueServiceConfig
 from queue_service.core import ServiceCore, Transport
 from queue_service.kafka_bridge import KafkaBridge
 from queue_service.scheduler import (
@@ -34,6 +32,7 @@ from queue_service.scheduler import (
     make_policy,
 )
 from queue_service.worker_api import WorkerApi
+from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.tiers import load_tiers
@@ -42,27 +41,10 @@ from tierflow.v1 import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_gr
 log = structlog.get_logger("queue_service")
 
 
-@dataclass(frozen=True)
-class QueueServiceConfig:
-    listen: str = "127.0.0.1:50051"
-    model: str = "tiny-llama"  # its tokenizer and context length: must match the workers'
-    policy: str = "flowprefill"
-    tiers_file: Path | None = None
-    predictor_file: Path | None = None
-    kafka: KafkaSettings = field(default_factory=KafkaSettings.from_env)
-    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    heartbeat_timeout_s: float = 3.0
-    max_new_tokens: int = 1024
-    max_live: int = 256  # requests taken from Kafka and not finished; the rest wait in Kafka
-    grace_s: float = 5.0
-
-
 class QueueService:
     """Builds the parts and owns their lifetimes."""
 
     def __init__(self, config: QueueServiceConfig) -> None:
-        from worker.models import load_model_info
-
         self.config = config
         info = load_model_info(config.model)
         tiers = load_tiers(config.tiers_file)
@@ -96,7 +78,7 @@ class QueueService:
                 max_prompt_tokens=info.max_positions - 1, max_new_tokens=config.max_new_tokens
             ),
             publish=self.kafka.publish,
-            tokenize=lambda text: info.tokenizer(text)["input_ids"],
+            tokenize=info.tokenizer.encode,
             vocab_size=info.vocab_size,
         )
         self.health = health.aio.HealthServicer()
@@ -142,16 +124,17 @@ class QueueService:
 
 
 def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
+    defaults = QueueServiceConfig
     p = argparse.ArgumentParser(prog="tierflow queue-service", description=__doc__.split("\n")[0])
-    p.add_argument("--listen", default="127.0.0.1:50051")
-    p.add_argument("--model", default="tiny-llama", help="same model as the workers")
-    p.add_argument("--policy", default="flowprefill")
+    p.add_argument("--listen", default=defaults.listen)
+    p.add_argument("--model", default=defaults.model, help="same model as the workers")
+    p.add_argument("--policy", default=defaults.policy)
     p.add_argument("--tiers", type=Path)
     p.add_argument("--predictor", type=Path, help="from `tierflow calibrate`")
     p.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
     p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
     p.add_argument("--instance-id")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
     args = p.parse_args(argv)
     overrides = {
         k: v

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from queue_service.config import QueueServiceConfig
 from queue_service.core import ServiceCore
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 
@@ -69,7 +70,12 @@ class WorkerSession:
 
 
 class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
-    def __init__(self, core: ServiceCore, *, heartbeat_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        core: ServiceCore,
+        *,
+        heartbeat_timeout_s: float = QueueServiceConfig.heartbeat_timeout_s,
+    ) -> None:
         self.core = core
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.sessions: dict[str, WorkerSession] = {}

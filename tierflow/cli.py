@@ -7,7 +7,9 @@ import contextlib
 import sys
 from pathlib import Path
 
+from tierflow.local_stack import StackConfig
 from tierflow.logging import configure_logging
+from worker.config import EngineConfig
 
 
 def _engine_bench(args: argparse.Namespace) -> int:
@@ -74,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from bench.calibrate import calibrate_and_report
-    from worker.engine import EngineConfig, PrefillEngine
+    from worker.engine import PrefillEngine
     from worker.models import load_model
 
     loaded = load_model(args.model, device=args.device)
@@ -93,7 +95,7 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from tierflow.local_stack import LocalStack, StackConfig
+    from tierflow.local_stack import LocalStack
 
     cfg = StackConfig(
         model=args.model, workers=args.workers, policy=args.policy, log_dir=args.log_dir,
@@ -160,14 +162,23 @@ def _generate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from bench.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(model=args.model, duration_s=args.duration, out_dir=args.out))
+    given = {"model": args.model, "duration_s": args.duration, "out_dir": args.out}
+    run_demo(DemoConfig(**{k: v for k, v in given.items() if v is not None}))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_engine_bench, _add_bench, _add_calibrate, _add_up, _add_down, _add_generate):
+        add(sub)
+    _add_demo(sub)
+    for name in SERVICES:  # listed for --help; main() hands their arguments to the service
+        sub.add_parser(name, help=f"run the {name} process (its own --help)", add_help=False)
+    return parser
 
+
+def _add_engine_bench(sub) -> None:
     eb = sub.add_parser(
         "engine-bench",
         help="measure layer time, chunk-size cost, check overhead and preemption latency",
@@ -175,21 +186,51 @@ def build_parser() -> argparse.ArgumentParser:
     eb.add_argument("--model", help="preset name, local directory or hub id (default bench-llama)")
     eb.add_argument("--device", help="cuda, cpu, ... (default: cuda when present)")
     eb.add_argument("--prompt-tokens", type=int)
-    eb.add_argument("--chunk-size", type=int, help="C for the latency comparison (default 2048)")
+    eb.add_argument(
+        "--chunk-size",
+        type=int,
+        help=f"C for the latency comparison (default {EngineConfig.chunk_size})",
+    )
     eb.add_argument("--quick", action="store_true", help="smaller prompt and fewer samples")
     eb.add_argument("--json", type=Path, help="write the results here")
     eb.add_argument("--plot", type=Path, help="write a PNG here")
     eb.set_defaults(func=_engine_bench)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="compare scheduling policies on the same arrivals")
     b.add_argument("--model", help="default bench-llama")
     b.add_argument("--device")
     b.add_argument("--policies", help="comma-separated; default all five")
-    b.add_argument("--chunk-size", type=int, help="engine chunk for all but chunked (2048)")
+    b.add_argument(
+        "--chunk-size",
+        type=int,
+        help=f"engine chunk for all but chunked ({EngineConfig.chunk_size})",
+    )
     b.add_argument("--chunked-chunk-size", type=int, help="C of the chunked baseline (512)")
     b.add_argument("--workers", type=int, help="engine threads (default 1)")
     b.add_argument("--duration", type=float, help="seconds of arrivals (default 60, quick 15)")
     b.add_argument("--seed", type=int, default=0)
+    _add_trace_options(b)
+    b.add_argument("--tiers", type=Path, help="tiers TOML (default config/tiers.toml)")
+    b.add_argument("--predictor", type=Path, help="predictor JSON from `tierflow calibrate`")
+    b.add_argument("--sweep-rate", action="store_true", help="also find each policy's goodput")
+    b.add_argument(
+        "--sweep-factors",
+        default="0.5,0.75,1,1.5,2,3",
+        help="arrival-rate multipliers tried by --sweep-rate",
+    )
+    b.add_argument("--quick", action="store_true", help="short run for CI smoke use")
+    b.add_argument(
+        "--stack", action="store_true",
+        help="also run the workload through the local services and report the TTFT they add",
+    )  # fmt: skip
+    b.add_argument("--json", type=Path)
+    b.add_argument("--plot", type=Path)
+    b.set_defaults(func=_bench)
+
+
+def _add_trace_options(b: argparse.ArgumentParser) -> None:
     b.add_argument("--trace", type=Path, help="replay an Azure CSV or Mooncake JSONL trace")
     b.add_argument(
         "--trace-start",
@@ -215,44 +256,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.5,
         help="share of prompts <= 128 tokens that are critical",
     )
-    b.add_argument("--tiers", type=Path, help="tiers TOML (default config/tiers.toml)")
-    b.add_argument("--predictor", type=Path, help="predictor JSON from `tierflow calibrate`")
-    b.add_argument("--sweep-rate", action="store_true", help="also find each policy's goodput")
-    b.add_argument(
-        "--sweep-factors",
-        default="0.5,0.75,1,1.5,2,3",
-        help="arrival-rate multipliers tried by --sweep-rate",
-    )
-    b.add_argument("--quick", action="store_true", help="short run for CI smoke use")
-    b.add_argument(
-        "--stack", action="store_true",
-        help="also run the workload through the local services and report the TTFT they add",
-    )  # fmt: skip
-    b.add_argument("--json", type=Path)
-    b.add_argument("--plot", type=Path)
-    b.set_defaults(func=_bench)
 
+
+def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="fit the prefill-time predictor on this model/device")
     c.add_argument("--model", default="bench-llama")
     c.add_argument("--device")
-    c.add_argument("--chunk-size", type=int, default=2048)
+    c.add_argument("--chunk-size", type=int, default=EngineConfig.chunk_size)
     c.add_argument("--out", type=Path, default=Path("out/predictor.json"))
     c.set_defaults(func=_calibrate)
 
+
+def _add_up(sub) -> None:
     up = sub.add_parser("up", help="start Kafka, queue service, workers, gateway and Envoy")
-    up.add_argument("--model", default="smollm2")
-    up.add_argument("--workers", type=int, default=1)
-    up.add_argument("--policy", default="flowprefill")
-    up.add_argument("--chunk-size", type=int, default=2048)
+    up.add_argument("--model", default=StackConfig.model)
+    up.add_argument("--workers", type=int, default=StackConfig.workers)
+    up.add_argument("--policy", default=StackConfig.policy)
+    up.add_argument("--chunk-size", type=int, default=StackConfig.chunk_size)
+    # A fixed port, unlike the stack's default (a free one): what `generate` dials by default.
     up.add_argument("--envoy-port", type=int, default=8080)
     up.add_argument("--no-edge", action="store_true", help="queue service only, no Envoy")
-    up.add_argument("--log-dir", type=Path, default=Path("out/stack"))
+    up.add_argument("--log-dir", type=Path, default=StackConfig.log_dir)
     up.set_defaults(func=_up)
 
+
+def _add_down(sub) -> None:
     down = sub.add_parser("down", help="stop the stack that `tierflow up` started")
-    down.add_argument("--log-dir", type=Path, default=Path("out/stack"))
+    down.add_argument("--log-dir", type=Path, default=StackConfig.log_dir)
     down.set_defaults(func=_down)
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="send one request and stream its events")
     g.add_argument("prompt")
     g.add_argument("--target", default="127.0.0.1:8080", help="Envoy (or a queue service)")
@@ -263,28 +297,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
 
+
+def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="the stack + a mixed-tier workload through Envoy (main job)")
-    d.add_argument("--model", default="smollm2")
-    d.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    d.add_argument("--out", type=Path, default=Path("out"))
+    # No defaults here: what is not given, DemoConfig decides.
+    d.add_argument("--model", help="default: the stack's (smollm2)")
+    d.add_argument("--duration", type=float, help="seconds of arrivals (default 60)")
+    d.add_argument("--out", type=Path, help="default out/")
     d.set_defaults(func=_demo)
 
-    for name in ("queue-service", "worker", "gateway"):
-        sub.add_parser(name, help=f"run the {name} process (its own --help)", add_help=False)
-    return parser
+
+# The service processes parse their own arguments.
+SERVICES = {
+    "queue-service": "queue_service.server",
+    "worker": "worker.cli",
+    "gateway": "gateway.server",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    services = {
-        "queue-service": "queue_service.server",
-        "worker": "worker.process",
-        "gateway": "gateway.server",
-    }
-    if argv and argv[0] in services:  # the service processes parse their own arguments
+    if argv and argv[0] in SERVICES:
         import importlib
 
-        return importlib.import_module(services[argv[0]]).main(argv[1:])
+        return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
     configure_logging()
     args = build_parser().parse_args(argv)
     return args.func(args)

@@ -19,9 +19,12 @@ from pathlib import Path
 
 import structlog
 
+from gateway.config import GatewayConfig
+from queue_service.config import QueueServiceConfig
 from tierflow.kafka_broker import LocalKafkaBroker
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.processes import REPO, ServiceProcess, free_port, python_module, wait_serving
+from worker.config import WorkerConfig
 
 log = structlog.get_logger("tierflow.stack")
 
@@ -30,15 +33,17 @@ STATE_FILE = "stack.json"
 
 @dataclass(frozen=True)
 class StackConfig:
-    model: str = "smollm2"
+    """The stack's own choices; what it passes on to a service defaults to that service's config."""
+
+    model: str = "smollm2"  # the real model: the stack is for trying tierflow out
     workers: int = 1
-    policy: str = "flowprefill"
-    chunk_size: int = 2048
-    check: str = "layer"
+    policy: str = QueueServiceConfig.policy
+    chunk_size: int | None = WorkerConfig.chunk_size
+    check: str = WorkerConfig.check
     device: str = "cpu"
     log_dir: Path = Path("out/stack")
     tiers_file: Path = REPO / "config" / "tiers.toml"
-    keys_file: Path = REPO / "config" / "keys.toml"
+    keys_file: Path = GatewayConfig.keys_file
     predictor_file: Path | None = None
     edge: bool = True  # start the gateway and Envoy in front of the queue service
     envoy_port: int | None = None  # None: a free port
@@ -125,7 +130,7 @@ class LocalStack:
                 "--worker-id", worker_id,
                 "--model", cfg.model,
                 "--device", cfg.device,
-                "--chunk-size", str(cfg.chunk_size),
+                "--chunk-size", str(cfg.chunk_size or 0),  # 0: the whole prompt
                 "--check", cfg.check,
             ),
         )  # fmt: skip

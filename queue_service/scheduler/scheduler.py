@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +54,7 @@ from queue_service.scheduler.policies import SchedulingPolicy, make_policy
 from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
 from queue_service.scheduler.request import ON_WORKER, Request, RequestState, WorkerSlot
+from tierflow.recent import RecentMap
 from tierflow.tiers import TierTable
 
 
@@ -126,7 +127,7 @@ class Scheduler:
             max_suspended_per_worker=self.config.max_suspended_per_worker,
         )
         self._requests: dict[str, Request] = {}  # live: not yet terminal
-        self._finished: OrderedDict[str, RequestState] = OrderedDict()
+        self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._seq = 0
@@ -403,8 +404,6 @@ class Scheduler:
 
     def _remember(self, request_id: str, state: RequestState) -> None:
         self._finished[request_id] = state
-        while len(self._finished) > self.config.remember_finished:
-            self._finished.popitem(last=False)
 
     # ------------------------------------------------------------------ read-only views
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierflow.processes import ServiceProcess, free_port, python_module, wait_serving
+from worker.config import WorkerConfig
 
 
 def start_queue_service(
@@ -58,7 +59,7 @@ def start_worker(
     *,
     model: str,
     chunk_size: int = 512,
-    check: str = "layer",
+    check: str = WorkerConfig.check,
 ) -> ServiceProcess:
     args = python_module(
         "worker.process",

@@ -46,7 +46,7 @@ class LayerClock:
         self.last = time.perf_counter()
 
     def on_first_token(self, task, token_id, logits):
-        pass
+        self.last = time.perf_counter()
 
     def on_token(self, task, token_id):
         pass
@@ -54,7 +54,7 @@ class LayerClock:
 
 @pytest.fixture(scope="module")
 def engine_times() -> dict[str, float]:
-    """The largest layer time of a C=2048 chunk and the isolated critical prefill, in s."""
+    """The layer time of a C=2048 chunk and the isolated critical prefill, in seconds."""
     model = load_model("bench-llama", device="cpu", dtype=torch.float32).model
     engine = PrefillEngine(model, EngineConfig(chunk_size=CHUNK))
     clock = LayerClock()
@@ -67,13 +67,15 @@ def engine_times() -> dict[str, float]:
         start = time.perf_counter()
         engine.run(task, PreemptionChannel())
         iso.append(time.perf_counter() - start)
-    return {"max_layer_s": max(clock.layer_s), "isolated_s": statistics.median(iso)}
+    # A layer time is the p90 over two prefills: robust to one stall of a shared CI core.
+    layer_s = statistics.quantiles(clock.layer_s, n=10)[-1]
+    return {"layer_s": layer_s, "isolated_s": statistics.median(iso)}
 
 
 @pytest.fixture
 def tiers_file(tmp_path: Path, engine_times) -> Path:
     # The scheduler's target is the bound itself (engine-side isolated TTFT + 2 layers).
-    slo = engine_times["isolated_s"] + 2 * engine_times["max_layer_s"]
+    slo = engine_times["isolated_s"] + 2 * engine_times["layer_s"]
     path = tmp_path / "tiers.toml"
     path.write_text(
         f"[tiers.critical]\nrank = 0\nttft_slo_s = {slo:.4f}\n"
@@ -95,7 +97,7 @@ def test_every_critical_request_meets_isolated_ttft_plus_two_layers(stack, engin
     _, target = stack.queue_service("bench-llama")
     stack.worker(target, "w1", "bench-llama", chunk_size=CHUNK)
     isolated = statistics.median(critical_ttft_s(target, seed=100 + i) for i in range(3))
-    bound = isolated + 2 * engine_times["max_layer_s"]
+    bound = isolated + 2 * engine_times["layer_s"]
 
     batch_events: list = []
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from tierflow.builtin_tokenizer import TOKENIZER_PATH, trained_json
 from worker import models
 from worker.models import (
     PRESETS,
@@ -22,9 +23,10 @@ from worker.models import (
     build_random_model,
     check_layerwise_supported,
     ensure_converted,
+    load_builtin_tokenizer,
     load_model,
+    preset_config,
 )
-from worker.tokenizer import TOKENIZER_PATH, load_builtin_tokenizer, trained_json
 
 # --- presets ------------------------------------------------------------------------------
 
@@ -65,7 +67,7 @@ def test_tiny_qwen2_mixes_full_and_sliding_attention(tiny_qwen2: LoadedModel):
 def test_bench_llama_config_is_benchmark_sized():
     preset = PRESETS["bench-llama"]
     assert isinstance(preset, RandomPreset)
-    config = preset.build_config(load_builtin_tokenizer())
+    config = preset_config(preset, load_builtin_tokenizer())
     assert (config.num_hidden_layers, config.hidden_size) == (12, 512)
     assert (config.num_attention_heads, config.num_key_value_heads) == (8, 2)
     assert config.max_position_embeddings >= 8192
@@ -141,7 +143,8 @@ def test_builtin_tokenizer_special_tokens_and_chat_template():
 
 
 def test_shipped_tokenizer_is_what_the_corpus_trains():
-    # If this fails, the corpus or trainer changed: run `python -m worker.tokenizer --train`.
+    # If this fails, the corpus or trainer changed: rerun the training,
+    # `python -m tierflow.builtin_tokenizer --train`.
     assert TOKENIZER_PATH.read_text(encoding="utf-8") == trained_json()
 
 

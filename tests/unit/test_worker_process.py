@@ -30,9 +30,11 @@ import torch
 
 from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker import wire
+from worker.backoff import Backoff
+from worker.config import WorkerConfig
 from worker.engine import EngineConfig, PrefillEngine
 from worker.events import Preempted
-from worker.process import Backoff, WorkerConfig, WorkerProcess
+from worker.process import WorkerProcess
 from worker.request import InvalidRequestError
 from worker.task import ResumePoint
 
@@ -76,13 +78,16 @@ class FakeSession:
     def next(self) -> Received | None:
         return self._events.get(timeout=WAIT_S)
 
-    def until(self, kind: str) -> list[Received]:
-        """Every event (not heartbeat) up to and including the first ``kind``."""
+    def until(self, kind: str, *, layer_progress: bool = False) -> list[Received]:
+        """Every event (not heartbeat) up to and including the first ``kind``; progress
+        reports from inside a chunk only if ``layer_progress``."""
         seen: list[Received] = []
         while True:
             item = self.next()
             assert item is not None, f"stream ended before {kind}; saw {[r.kind for r in seen]}"
-            seen.append(item)
+            inside_chunk = item.kind == "progress" and item.body.layers_done > 0
+            if layer_progress or not inside_chunk:
+                seen.append(item)
             if item.kind == kind:
                 return seen
 
@@ -265,7 +270,14 @@ def test_hello_first_then_assign_streams_progress_first_token_and_done(
     request = assign("a", ids, max_new_tokens=3)
     request.stop_at_eos = False
     session.send(assign=request)
-    seen = session.until("done")
+    seen = session.until("done", layer_progress=True)
+    # Progress inside each of the 3 chunks after layers 1, 2 and 3 of 4 (per-layer reports).
+    inside = [r.body for r in seen if r.kind == "progress" and r.body.layers_done]
+    assert [(p.tokens_done, p.chunk_end, p.layers_done) for p in inside] == [
+        (start, min(start + 16, 40), k) for start in (0, 16, 32) for k in (1, 2, 3)
+    ]
+    assert all(p.num_layers == 4 for p in inside)
+    seen = [r for r in seen if not (r.kind == "progress" and r.body.layers_done)]
 
     assert [r.kind for r in seen] == [
         "progress",

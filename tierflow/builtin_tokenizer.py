@@ -1,11 +1,15 @@
 """The built-in tokenizer: a byte-level BPE that needs no download.
 
-Machines here cannot reach a model hub, yet the random-weight presets in ``worker.models`` need a
-real tokenizer so that prompts are text and token counts are realistic. This module ships one:
-a byte-level BPE (vocab 4096) trained offline on ``worker/assets/corpus.txt``, a small English and
-code corpus written for the project. The trained ``worker/assets/tokenizer.json`` is committed;
-``python -m worker.tokenizer --train`` reproduces it byte for byte from the corpus, and
-``--check`` says whether the committed file is still what the corpus gives.
+Machines here cannot reach a model hub, yet the random-weight presets (``tierflow.catalogue``)
+need a real tokenizer so that prompts are text and token counts are realistic. This module ships
+one: a byte-level BPE (vocab 4096) trained offline on ``tierflow/assets/corpus.txt``, a small
+English and code corpus written for the project. The trained ``tierflow/assets/tokenizer.json`` is
+committed; ``python -m tierflow.builtin_tokenizer --train`` reproduces it byte for byte from the
+corpus, and ``--check`` says whether the committed file is still what the corpus gives.
+
+It lives in the shared package because both sides read it: the queue service through
+``tierflow.tokenizer`` (no torch), the worker as a transformers tokenizer (``worker.models``).
+Training needs only the ``tokenizers`` library.
 
 Byte-level means every string round-trips, whatever its characters: unseen words just cost more
 tokens.
@@ -14,12 +18,10 @@ tokens.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 CORPUS_PATH = ASSETS / "corpus.txt"
@@ -74,23 +76,10 @@ def trained_json() -> str:
     return train_tokenizer(corpus).to_str(pretty=True) + "\n"
 
 
-@functools.cache
-def load_builtin_tokenizer() -> PreTrainedTokenizerFast:
-    """The shipped tokenizer as a transformers tokenizer. Cached: treat it as read-only."""
-    return PreTrainedTokenizerFast(
-        tokenizer_file=str(TOKENIZER_PATH),
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
-        # Left padding: batched generation appends to the right end of every row.
-        padding_side="left",
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.tokenizer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tierflow.builtin_tokenizer", description=__doc__
+    )
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--train", action="store_true", help=f"rewrite {TOKENIZER_PATH.name}")
     group.add_argument("--check", action="store_true", help="exit 1 if it is out of date")
@@ -103,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     current = TOKENIZER_PATH.read_text(encoding="utf-8") if TOKENIZER_PATH.exists() else ""
     if current != text:
-        print(f"{TOKENIZER_PATH} is out of date: run python -m worker.tokenizer --train")
+        print(f"{TOKENIZER_PATH} is out of date: run python -m tierflow.builtin_tokenizer --train")
         return 1
     print(f"{TOKENIZER_PATH} is up to date")
     return 0

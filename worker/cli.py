@@ -1,0 +1,110 @@
+"""The worker's command line: ``python -m worker.process`` or ``tierflow worker``.
+
+Every default comes from ``WorkerConfig`` (``worker.config``), the single place it is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from collections.abc import Sequence
+
+import structlog
+
+from tierflow.logging import configure_logging
+from worker.config import CHECK_GRANULARITIES, WorkerConfig
+from worker.models import ModelLoadError
+from worker.process import WorkerProcess
+
+log = structlog.get_logger("worker.process")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.process",
+        description="Run one worker: attach to the queue service and serve its commands.",
+    )
+    defaults = WorkerConfig
+    parser.add_argument(
+        "--queue-service", required=True, help="host:port of the queue service (WorkerControl)"
+    )
+    parser.add_argument("--worker-id", help="default: <hostname>-<pid>")
+    parser.add_argument("--model", default=defaults.model, help="preset, local directory or hub id")
+    parser.add_argument("--device", help="cuda, cuda:1, cpu ... (default: cuda when present)")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=defaults.chunk_size,
+        help="prefill chunk in tokens; 0: whole prompt",
+    )
+    parser.add_argument(
+        "--check",
+        choices=CHECK_GRANULARITIES,
+        default=defaults.check,
+        help="where the engine reads the preemption flag",
+    )
+    parser.add_argument(
+        "--memory-cap-bytes",
+        type=int,
+        default=defaults.memory_cap_bytes,
+        help="cap on what suspended requests hold together",
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=defaults.heartbeat_interval_s, help="seconds"
+    )
+    parser.add_argument(
+        "--reconnect-min", type=float, default=defaults.reconnect_min_s, help="seconds"
+    )
+    parser.add_argument(
+        "--reconnect-max", type=float, default=defaults.reconnect_max_s, help="seconds"
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    return WorkerConfig(
+        queue_service=args.queue_service,
+        model=args.model,
+        device=args.device,
+        chunk_size=args.chunk_size or None,
+        check=args.check,
+        memory_cap_bytes=args.memory_cap_bytes,
+        heartbeat_interval_s=args.heartbeat_interval,
+        reconnect_min_s=args.reconnect_min,
+        reconnect_max_s=args.reconnect_max,
+        **extra,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging(json=True)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    main_log = log.bind(worker_id=config.worker_id)
+
+    # Installed before the (slow) model load, so a SIGTERM then still exits cleanly.
+    stop_requested = threading.Event()
+    worker: WorkerProcess | None = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        main_log.info("signal received, shutting down", signal=signal.Signals(signum).name)
+        stop_requested.set()
+        if worker is not None:
+            worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        worker = WorkerProcess(config)
+    except ModelLoadError as exc:
+        main_log.error("cannot load the model", model=config.model, error=str(exc))
+        return 1
+    if stop_requested.is_set():
+        return 0
+    return worker.run()

@@ -1,0 +1,79 @@
+"""The worker's configuration: one frozen dataclass per part, the single home of its defaults.
+
+``EngineConfig`` configures the prefill engine, ``WorkerConfig`` the worker process (its engine
+settings default to the engine's). The worker's command line (``worker.cli``), the benchmarks
+and the local stack read their defaults from here. No torch: a launcher can read the defaults
+without loading the model stack.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from tierflow.catalogue import DEFAULT_MODEL
+
+CheckGranularity = Literal["half", "layer", "chunk", "none"]
+CHECK_GRANULARITIES: tuple[CheckGranularity, ...] = get_args(CheckGranularity)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    chunk_size: int | None = 2048  # None: the whole prompt is one chunk
+    check: CheckGranularity = "layer"
+    memory_cap_bytes: int = 4 << 30  # for all suspended tasks together
+    max_new_tokens_limit: int = 4096
+    max_run_ahead_layers: int = 2  # CUDA only; see worker.run_ahead
+    # Report progress every this many layers inside a chunk (0: at chunk ends only), so the
+    # scheduler's estimate of a long chunk is corrected while it runs. A report is one
+    # listener call (~1 us) per 100+ ms layer on a CPU; on a GPU the host runs ahead of the
+    # device, so a report says the layer was queued, not finished.
+    progress_every_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive (or None), got {self.chunk_size}")
+        if self.check not in CHECK_GRANULARITIES:
+            raise ValueError(f"check must be half, layer, chunk or none, got {self.check!r}")
+        if self.memory_cap_bytes < 0:
+            raise ValueError("memory_cap_bytes must be >= 0")
+        if self.progress_every_layers < 0:
+            raise ValueError("progress_every_layers must be >= 0")
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    queue_service: str  # host:port of the queue service's WorkerControl server
+    worker_id: str = field(default_factory=_default_worker_id)
+    model: str = DEFAULT_MODEL  # preset, local directory or hub id (worker.models.load_model)
+    device: str | None = None  # None: CUDA when available, else CPU
+    chunk_size: int | None = EngineConfig.chunk_size
+    check: CheckGranularity = EngineConfig.check
+    memory_cap_bytes: int = EngineConfig.memory_cap_bytes  # all suspended requests together
+    heartbeat_interval_s: float = 0.5
+    reconnect_min_s: float = 0.1
+    reconnect_max_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.queue_service:
+            raise ValueError("queue_service address is empty")
+        if not self.worker_id:
+            raise ValueError("worker_id is empty")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if not 0 < self.reconnect_min_s <= self.reconnect_max_s:
+            raise ValueError(
+                "need 0 < reconnect_min_s <= reconnect_max_s, got "
+                f"{self.reconnect_min_s} and {self.reconnect_max_s}"
+            )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            chunk_size=self.chunk_size, check=self.check, memory_cap_bytes=self.memory_cap_bytes
+        )
