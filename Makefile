@@ -26,11 +26,11 @@ bench:
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m tierflow.protogen --check
+	$(PY) -m launch.protogen --check
 
 # Regenerate tierflow/v1/ from protos/ (CI fails when they are stale).
 protos:
-	$(PY) -m tierflow.protogen
+	$(PY) -m launch.protogen
 
 format:
 	$(VENV)/bin/ruff format .

@@ -1,7 +1,7 @@
 """One policy, one workload, in one process: the real scheduler driving real engine threads.
 
 The main thread is the scheduler's event loop, and it runs the queue service's own dispatch
-path (``queue_service.dispatcher``): each engine runner is a ``WorkerHandle`` and what it
+path (``queue_service.core.dispatcher``): each engine runner is a ``WorkerHandle`` and what it
 reports goes back as scheduler events. The loop blocks on one queue that the runners fill,
 with a timeout that expires exactly when the next arrival or wake-up is due, so it wakes only
 on events (arrival, progress, first token, preemption acknowledged, done, wake-up) and never
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.workload import Arrival, Workload, prompt_ids
-from queue_service.dispatcher import Dispatcher
+from queue_service.core.dispatcher import Dispatcher
 from queue_service.scheduler import (
     Event,
     PreemptionAcked,

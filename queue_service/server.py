@@ -20,18 +20,18 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from queue_service.admission import AdmissionLimits
-from queue_service.client_api import ClientApi
+from queue_service.broker.bridge import KafkaBridge
+from queue_service.clients.admission import AdmissionLimits
+from queue_service.clients.api import ClientApi
 from queue_service.config import QueueServiceConfig
-from queue_service.core import ServiceCore, Transport
-from queue_service.kafka_bridge import KafkaBridge
+from queue_service.core.service_core import ServiceCore, Transport
 from queue_service.scheduler import (
     PrefillTimePredictor,
     Scheduler,
     SchedulerConfig,
     make_policy,
 )
-from queue_service.worker_api import WorkerApi
+from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging

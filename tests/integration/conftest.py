@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tierflow.kafka_broker import LocalKafkaBroker
+from launch.kafka_broker import LocalKafkaBroker
 from tierflow.kafka_settings import KafkaSettings
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierflow.processes import ServiceProcess, free_port, python_module, wait_serving
+from launch.processes import ServiceProcess, free_port, python_module, wait_serving
 from worker.config import WorkerConfig
 
 

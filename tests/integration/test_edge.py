@@ -35,6 +35,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.demo_keys import DEMO_KEYS
 from gateway.envoy_config import render_envoy_config
 from gateway.keys import hash_key
+from launch.processes import REPO, ServiceProcess, free_port
+from launch.protogen import write_descriptor_set
 from tests.integration.processes import (
     start_envoy,
     start_gateway,
@@ -44,8 +46,6 @@ from tests.integration.processes import (
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
-from tierflow.processes import REPO, ServiceProcess, free_port
-from tierflow.protogen import write_descriptor_set
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 TIERS = SERVICE_TIERS_TOML

@@ -1,4 +1,4 @@
-"""queue_service.kafka_io against a real Kafka broker.
+"""queue_service.broker.io against a real Kafka broker.
 
 What the queue service relies on: a publish is acknowledged (the record is in Kafka when
 ``publish`` returns); the tier topics are read in strict priority with a batch backlog left in
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from queue_service.kafka_io import QueueUnavailableError, ReplyConsumer, RequestLog, ensure_topics
-from queue_service.priority_consumer import DeliveredRequest, PriorityConsumer
+from queue_service.broker.io import QueueUnavailableError, ReplyConsumer, RequestLog, ensure_topics
+from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import queue_pb2, serving_pb2
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from tierflow.cli import main
+from launch.cli import main
 
 
 def test_engine_bench_writes_json_and_png(tmp_path):

@@ -20,8 +20,8 @@ from gateway.envoy_config import (
     render_envoy_config,
     token_bucket,
 )
-from tierflow.processes import REPO
-from tierflow.protogen import write_descriptor_set
+from launch.processes import REPO
+from launch.protogen import write_descriptor_set
 from tierflow.tiers import load_tiers
 
 SHIPPED_DESCRIPTOR = "/etc/envoy/descriptors/tierflow.pb"

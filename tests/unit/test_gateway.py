@@ -20,8 +20,8 @@ from structlog.testing import capture_logs
 from gateway.authz import Authorizer
 from gateway.demo_keys import DEMO_KEYS
 from gateway.keys import KeyStore, hash_key, load_keys, loads_keys
+from launch.processes import REPO, free_port
 from tests.integration.processes import start_gateway
-from tierflow.processes import REPO, free_port
 from tierflow.tiers import load_tiers, loads_tiers
 
 TIERS = loads_tiers(

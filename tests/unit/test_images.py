@@ -58,7 +58,7 @@ def test_service_image_installs_no_model_stack():
 def test_service_image_has_everything_the_service_processes_import():
     script = """
 import json, sys, importlib.metadata as md
-import queue_service.server, gateway.server, tierflow.protogen
+import queue_service.server, gateway.server, launch.protogen
 from tierflow.catalogue import load_model_info
 load_model_info("tiny-llama"); load_model_info("smollm2")
 dists = md.packages_distributions()
@@ -88,6 +88,6 @@ def test_compose_runs_each_process_in_its_image():
     assert set(module.values()) == {
         "queue_service.server",
         "gateway.server",
-        "tierflow.protogen",
+        "launch.protogen",
         "worker.process",
     }

@@ -3,7 +3,7 @@ requests finish out of order, and what a restarted consumer skips."""
 
 from __future__ import annotations
 
-from queue_service.offset_ledger import METADATA_MAX_CHARS, Ledger, parse_metadata
+from queue_service.broker.offset_ledger import METADATA_MAX_CHARS, Ledger, parse_metadata
 
 
 def _read(ledger: Ledger, offsets) -> None:

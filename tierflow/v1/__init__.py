@@ -1,1 +1,1 @@
-"""Generated from protos/ by tierflow.protogen."""
+"""Generated from protos/ by launch.protogen."""

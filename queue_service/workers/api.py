@@ -19,10 +19,10 @@ import grpc
 import structlog
 
 from queue_service.config import QueueServiceConfig
-from queue_service.core import ServiceCore
+from queue_service.core.service_core import ServiceCore
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 
-log = structlog.get_logger("queue_service.worker_api")
+log = structlog.get_logger("queue_service.workers.api")
 
 _CLOSE = object()  # put in an outbox to end that worker's response stream
 

@@ -22,12 +22,12 @@ from rich.table import Table
 
 from bench.metrics import summarise
 from bench.report import plot_ttft_cdfs
-from bench.stack_client import Credentials, replay
 from bench.workload import Arrival, TierMix, Workload, synthetic
+from launch.local_stack import LocalStack, StackConfig
+from launch.processes import REPO
+from launch.stack_client import Credentials, replay
 from tierflow.builtin_tokenizer import CORPUS_PATH
 from tierflow.catalogue import load_model_info
-from tierflow.local_stack import LocalStack, StackConfig
-from tierflow.processes import REPO
 from tierflow.tiers import load_tiers
 from tierflow.tokenizer import TextTokenizer
 

@@ -1,8 +1,8 @@
 """Regenerates the Python stubs of ``protos/`` (and Envoy's descriptor set) with one command.
 
-    python -m tierflow.protogen           # rewrite tierflow/v1/*_pb2*.py(i)
-    python -m tierflow.protogen --check   # exit 1 if the committed stubs are stale (CI)
-    python -m tierflow.protogen --descriptor-set out.pb   # for Envoy's gRPC-JSON transcoder
+    python -m launch.protogen           # rewrite tierflow/v1/*_pb2*.py(i)
+    python -m launch.protogen --check   # exit 1 if the committed stubs are stale (CI)
+    python -m launch.protogen --descriptor-set out.pb   # for Envoy's gRPC-JSON transcoder
 
 The stubs land in ``tierflow/v1/`` because the proto package is ``tierflow.v1``: generated
 imports (``from tierflow.v1 import serving_pb2``) then resolve without path tricks.
@@ -46,7 +46,7 @@ def generate(out_root: Path) -> list[Path]:
         [f"--python_out={out_root}", f"--grpc_python_out={out_root}", f"--pyi_out={out_root}"]
     )
     package = out_root / "tierflow" / "v1"
-    (package / "__init__.py").write_text('"""Generated from protos/ by tierflow.protogen."""\n')
+    (package / "__init__.py").write_text('"""Generated from protos/ by launch.protogen."""\n')
     return sorted(package.iterdir())
 
 
@@ -57,7 +57,7 @@ def write_descriptor_set(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tierflow.protogen")
+    parser = argparse.ArgumentParser(prog="python -m launch.protogen")
     parser.add_argument("--check", action="store_true", help="fail if stubs are stale")
     parser.add_argument("--descriptor-set", type=Path, help="write Envoy's descriptor set here")
     args = parser.parse_args(argv)

@@ -17,19 +17,19 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from queue_service.admission import (
+from queue_service.clients.admission import (
     AdmissionError,
     AdmissionLimits,
     Admitted,
     admit,
     tier_from_metadata,
 )
-from queue_service.core import ClientError, ClientItem, ServiceCore
-from queue_service.live import LiveRequest, Outcome
+from queue_service.core.live import LiveRequest, Outcome
+from queue_service.core.service_core import ClientError, ClientItem, ServiceCore
 from tierflow.tiers import TierTable
 from tierflow.v1 import queue_pb2, serving_pb2, serving_pb2_grpc
 
-log = structlog.get_logger("queue_service.client_api")
+log = structlog.get_logger("queue_service.clients.api")
 
 
 class ClientApi(serving_pb2_grpc.TierflowServicer):

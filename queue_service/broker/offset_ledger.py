@@ -1,11 +1,11 @@
 """Which offset of a partition to commit when requests finish in any order: a pure ledger.
 
-The priority consumer (``queue_service.priority_consumer``) commits a request's offset only when
-the request is finished, and requests finish in any order. Per partition, this ledger tracks the
-offsets read since the last commit point and which of them are finished; the commit point is the
-lowest offset not yet finished, and the commit's metadata lists the finished offsets above it
-(as distances), so that a consumer restarting in the same group skips exactly those
-(``parse_metadata``). No Kafka here: the unit tests drive it directly.
+The priority consumer (``queue_service.broker.priority_consumer``) commits a request's offset
+only when the request is finished, and requests finish in any order. Per partition, this
+ledger tracks the offsets read since the last commit point and which of them are finished;
+the commit point is the lowest offset not yet finished, and the commit's metadata lists the
+finished offsets above it (as distances), so that a consumer restarting in the same group
+skips exactly those (``parse_metadata``). No Kafka here: the unit tests drive it directly.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import deque
 
 import structlog
 
-log = structlog.get_logger("queue_service.offset_ledger")
+log = structlog.get_logger("queue_service.broker.offset_ledger")
 
 # Commit metadata: "tf1:" and the finished offsets above the committed one, as distances from it.
 # The broker's default offset.metadata.max.bytes is 4096; offsets that do not fit are left out

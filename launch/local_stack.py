@@ -20,10 +20,10 @@ from pathlib import Path
 import structlog
 
 from gateway.config import GatewayConfig
+from launch.kafka_broker import LocalKafkaBroker
+from launch.processes import REPO, ServiceProcess, free_port, python_module, wait_serving
 from queue_service.config import QueueServiceConfig
-from tierflow.kafka_broker import LocalKafkaBroker
 from tierflow.kafka_settings import KafkaSettings
-from tierflow.processes import REPO, ServiceProcess, free_port, python_module, wait_serving
 from worker.config import WorkerConfig
 
 log = structlog.get_logger("tierflow.stack")
@@ -152,7 +152,7 @@ class LocalStack:
 
     def _start_envoy(self) -> None:
         from gateway.envoy_config import envoy_binary, render_envoy_config
-        from tierflow.protogen import write_descriptor_set
+        from launch.protogen import write_descriptor_set
 
         port = self.config.envoy_port or free_port()
         admin = free_port()

@@ -28,7 +28,7 @@ from types import TracebackType
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
-from tierflow.processes import free_port
+from launch.processes import free_port
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kafka.sh"
 # The JVM alone takes a few seconds; two busy cores shared with tests can make it many more.

@@ -1,5 +1,6 @@
 """Kafka I/O of the queue service: the durable request log, topics, and replies between
-instances. The strict-priority consumer of the tier topics is ``queue_service.priority_consumer``.
+instances. The strict-priority consumer of the tier topics is
+``queue_service.broker.priority_consumer``.
 
 No scheduling decision is made here.
 
@@ -27,7 +28,7 @@ from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import TierPolicy
 from tierflow.v1 import queue_pb2
 
-log = structlog.get_logger("queue_service.kafka_io")
+log = structlog.get_logger("queue_service.broker.io")
 
 
 class QueueUnavailableError(RuntimeError):

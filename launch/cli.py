@@ -7,7 +7,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from tierflow.local_stack import StackConfig
+from launch.local_stack import StackConfig
 from tierflow.logging import configure_logging
 from worker.config import EngineConfig
 
@@ -62,7 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
     if args.stack:
-        from bench.stack_bench import main as stack_main
+        from launch.stack_bench import main as stack_main
 
         stack_main(cfg, args.json, args.plot)
     elif len(args.trace_start) > 1:
@@ -95,7 +95,7 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from tierflow.local_stack import LocalStack
+    from launch.local_stack import LocalStack
 
     cfg = StackConfig(
         model=args.model, workers=args.workers, policy=args.policy, log_dir=args.log_dir,
@@ -116,7 +116,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from tierflow.local_stack import stop_running_stack
+    from launch.local_stack import stop_running_stack
 
     if stop_running_stack(args.log_dir):
         print("stopped")
@@ -160,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from bench.demo import DemoConfig, run_demo
+    from launch.demo import DemoConfig, run_demo
 
     given = {"model": args.model, "duration_s": args.duration, "out_dir": args.out}
     run_demo(DemoConfig(**{k: v for k, v in given.items() if v is not None}))

@@ -24,8 +24,8 @@ from rich.progress import Progress
 from bench.metrics import percentile, summarise
 from bench.policy_bench import PolicyBenchConfig, build_workload, run_policy_bench
 from bench.report import plot_ttft_cdfs, render_policy_tables, write_json
-from bench.stack_client import Credentials, replay
 from bench.workload import prompt_ids
+from launch.stack_client import Credentials, replay
 from tierflow.client import TierflowClient
 from tierflow.tiers import load_tiers
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
@@ -75,7 +75,7 @@ def paired_overheads(model, stack_endpoints, chunk_size: int, samples: int, seed
 
 
 def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
-    from tierflow.local_stack import LocalStack, StackConfig
+    from launch.local_stack import LocalStack, StackConfig
     from worker.models import load_model
 
     loaded = load_model(cfg.model, device=cfg.device)

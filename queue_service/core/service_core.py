@@ -2,8 +2,8 @@
 
 Everything here runs on the service's asyncio loop, one callback at a time, so the scheduler (a
 pure state machine) is only ever touched by one thread and needs no lock. Scheduler commands
-reach the workers through the shared dispatcher (``queue_service.dispatcher``): each attached
-worker is a ``RemoteWorker`` handle (``queue_service.worker_api``), and wake-ups are timers on
+reach the workers through the shared dispatcher (``queue_service.core.dispatcher``): each attached
+worker is a ``RemoteWorker`` handle (``queue_service.workers.api``), and wake-ups are timers on
 this loop. Other I/O is injected:
 - ``Transport.finished``: tell the Kafka consumer a delivery is finished (commit its offset);
 - ``Transport.publish_reply``: hand an event to the instance that holds the client's stream.
@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import grpc
 import structlog
 
-from queue_service.dispatcher import Dispatcher, WorkerHandle
-from queue_service.live import LiveRequest, Outcome
+from queue_service.core.dispatcher import Dispatcher, WorkerHandle
+from queue_service.core.live import LiveRequest, Outcome
 from queue_service.scheduler import (
     PreemptionAcked,
     PrefillFinished,

@@ -2,7 +2,7 @@
 
 The scheduler (``queue_service.scheduler``) decides; this applies its decisions. Every worker is
 reached through a ``WorkerHandle``: the queue service's proxy for a remote worker sends control
-messages on its stream (``queue_service.worker_api``), the benchmark's handle drives an
+messages on its stream (``queue_service.workers.api``), the benchmark's handle drives an
 in-process engine runner (``bench.harness``). Both hand what their worker reports back as
 scheduler events to ``Dispatcher.handle``, so the benchmark measures the code path the service
 runs, and the rules of the protocol live here once:

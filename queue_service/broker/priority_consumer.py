@@ -8,7 +8,7 @@
   buffered record is dropped again (its partition is rewound, nothing is lost).
 * **Committed when finished.** An offset is committed only when the request at it is finished,
   in any order: per partition the consumer commits the lowest offset not yet finished, and puts
-  the finished offsets above it in the commit's metadata (``queue_service.offset_ledger``). A
+  the finished offsets above it in the commit's metadata (``queue_service.broker.offset_ledger``). A
   consumer that restarts in the same group therefore re-delivers exactly the requests that were
   not finished (at-least-once; the only duplicates are requests whose finish had not reached the
   broker yet). A request id seen twice (a retry that was written twice, a re-delivery after a
@@ -39,14 +39,14 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from queue_service.kafka_io import QueueUnavailableError, tier_names
-from queue_service.offset_ledger import Ledger, parse_metadata
+from queue_service.broker.io import QueueUnavailableError, tier_names
+from queue_service.broker.offset_ledger import Ledger, parse_metadata
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.recent import RecentMap
 from tierflow.tiers import TierPolicy
 from tierflow.v1 import queue_pb2
 
-log = structlog.get_logger("queue_service.priority_consumer")
+log = structlog.get_logger("queue_service.broker.priority_consumer")
 
 # How long the consumer thread waits inside Kafka before it looks again at finished requests to
 # commit and at the priorities to apply: a commit is at most this late.

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import structlog
 
-from queue_service.kafka_io import ReplyConsumer, RequestLog, ensure_topics
-from queue_service.priority_consumer import DeliveredRequest, PriorityConsumer
+from queue_service.broker.io import ReplyConsumer, RequestLog, ensure_topics
+from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import TierTable
 from tierflow.v1 import queue_pb2
