@@ -73,12 +73,18 @@ def render_policy_tables(result: dict, console: Console) -> None:
         "recomputes",
         "preempt latency p50/p99 ms",
         "lost",
-        "completed tok/s (wall)",
-        "lower tiers tok/s",
-        "predictor err p50/p95 (n)",
-        "decide us/event",
     ):
         totals.add_column(col, justify="right" if col not in ("policy", "engine") else "left")
+    rates = Table(title="per policy: wall-clock throughput, predictor, scheduler cost")
+    for col in (
+        "policy",
+        "completed tok/s",
+        "lower tiers tok/s",
+        "predictor |err| p50 / p95 (n)",
+        "decide us/event",
+        "progress events",
+    ):
+        rates.add_column(col, justify="right" if col != "policy" else "left")
     for name, s in result["policies"].items():
         lat = s["preemption_latency_ms"]
         err = s["prediction_error"]
@@ -91,12 +97,17 @@ def render_policy_tables(result: dict, console: Console) -> None:
             str(s["recomputes"]),
             f"{lat['p50']:.1f} / {lat['p99']:.1f}",
             str(s["lost"]),
+        )
+        rates.add_row(
+            name,
             f"{s['completed_tok_s']:.0f}",
             f"{s['lower_tier_completed_tok_s']:.0f}",
             f"{err['abs_p50']:.0%} / {err['abs_p95']:.0%} ({err['n']})",
             f"{s['scheduler']['decide_us_per_event']:.0f}",
+            str(s["scheduler"]["progress_events"]),
         )
     console.print(totals)
+    console.print(rates)
     if "goodput_req_s" in result:
         good = Table(title="goodput: highest rate with every tier >= 90% within SLO")
         good.add_column("policy")
