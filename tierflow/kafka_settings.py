@@ -19,8 +19,8 @@ a few hundred bytes that must reach the scheduler in milliseconds, while the vol
   rebalance, and large enough for two busy cores. The broker's default
   ``group.min.session.timeout.ms`` is 6000, the floor for ``session_timeout_ms``.
 
-Topic names: ``<prefix>priority_<tier>`` for the tier queues (DESIGN.md), ``<prefix>reply_<id>``
-for the reply topic of one queue-service instance.
+Topic names: ``<prefix>priority_<tier>`` for the tier queues (docs/design.md, "Data flow"),
+``<prefix>reply_<id>`` for the reply topic of one queue-service instance.
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 _KEYS = {"rank", "ttft_slo_s", "sheddable"}
 
 
-# The metadata headers of the edge contract (DESIGN.md, "Conventions"): the client sends its API
-# key; the gateway replaces it with the tier, overwriting whatever tier the client sent.
+# The metadata headers of the edge contract (docs/design.md, "Contracts between the parts"):
+# the client sends its API key; the gateway replaces it with the tier, overwriting whatever
+# tier the client sent.
 API_KEY_HEADER = "x-api-key"
 TIER_HEADER = "x-tierflow-tier"
 
