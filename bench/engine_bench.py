@@ -14,6 +14,7 @@ Measured on the machine it runs on, as ratios inside the run (machines here are 
 
 from __future__ import annotations
 
+import queue
 import random
 import statistics
 import threading
@@ -32,6 +33,7 @@ from bench.report import write_json
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
+from worker.runner import EngineRunner
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,19 @@ def per_check_seconds() -> float:
     return max(loop - empty, 0.0) / n
 
 
+def per_progress_report_seconds(engine: PrefillEngine, ids: tuple[int, ...]) -> float:
+    """Cost, on the engine thread, of one per-layer progress report: the runner's own
+    listener building the event and putting it on a queue, as in the services and the bench."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    runner = EngineRunner(engine, events.put)
+    task = engine.new_task(GenerationRequest("progress", ids))
+    n = 50_000
+    start = time.perf_counter()
+    for _ in range(n):
+        runner.listener.on_layers_done(task, 0, 1)
+    return (time.perf_counter() - start) / n
+
+
 def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> dict:
     from worker.models import load_model
 
@@ -156,6 +171,7 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
         advance()
         whole_time, chunk_cost = _chunk_cost(engine_for, cfg, ids, advance)
         overhead = _check_overhead(engine_for, cfg, ids, len(model.model.layers), advance)
+        report_s = per_progress_report_seconds(engine_for[(cfg.chunk_size, "layer")], ids)
         latency = {
             check: _preemption_latencies(
                 engine_for[(cfg.chunk_size, check)], cfg, ids, overhead["prefill_s"], rng, advance
@@ -180,6 +196,9 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
         "check_overhead_ab_pct": overhead["ab_overhead"] * 100,
         "check_cost_ns": overhead["check_cost_s"] * 1e9,
         "checks_per_prefill": overhead["checks_per_prefill"],
+        # One report per layer (progress_every_layers=1): its cost against the mean layer.
+        "progress_report_us": report_s * 1e6,
+        "progress_report_pct_of_layer": report_s / statistics.fmean(layer_times) * 100,
         "preemption_latency_ms": latency,
     }
 
@@ -272,6 +291,10 @@ def render_table(result: dict, console: Console) -> None:
     )
     head.add_row(
         "check overhead, A/B layer vs none (noisy)", f"{result['check_overhead_ab_pct']:+.2f} %"
+    )
+    head.add_row(
+        "per-layer progress report (cost / share of a layer)",
+        f"{result['progress_report_us']:.1f} us / {result['progress_report_pct_of_layer']:.4f} %",
     )
     console.print(head)
 

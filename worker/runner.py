@@ -147,6 +147,11 @@ class EngineRunner:
             self._work.put(("cancel", task))
 
     @property
+    def listener(self) -> _Listener:
+        """The engine listener this runner passes to every run (it emits the events)."""
+        return self._listener
+
+    @property
     def running_request_id(self) -> str | None:
         return self._running
 

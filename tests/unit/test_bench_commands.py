@@ -33,6 +33,7 @@ def test_engine_bench_writes_json_and_png(tmp_path):
     assert 0 < result["layer_time_ms"]["mean"] <= result["layer_time_ms"]["max"]
     assert set(result["chunk_cost"]) == {"256", "1024"}
     assert result["check_overhead_pct"] >= 0
+    assert result["progress_report_us"] > 0 and result["progress_report_pct_of_layer"] > 0
     for check in ("layer", "chunk"):
         lat = result["preemption_latency_ms"][check]
         assert lat["n"] == 8 and 0 < lat["p50"] <= lat["p99"]
