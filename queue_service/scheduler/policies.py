@@ -153,7 +153,8 @@ class FlowPrefill(SchedulingPolicy):
     Preemption (``should_preempt``), only of a request ranked behind the waiting one: when the
     waiting request would miss its deadline by waiting, with predictions inflated by the
     predictor's observed error margin; when it is late already (waiting only adds to its
-    TTFT); or when its wake-up fired (it waited on a prediction that turned out wrong).
+    TTFT) and the running request is of a lower tier; or when its wake-up fired (it waited on
+    a prediction that turned out wrong).
 
     ``switch_s``: the least time assumed for a preemption to take effect; the scheduler
     passes the observed p95 (about one layer) when that is longer.
@@ -191,7 +192,9 @@ class FlowPrefill(SchedulingPolicy):
             return True
         switch = max(self.switch_s, outlook.switch_s)
         if slack_s(waiting, now + switch, outlook.waiting_remaining_s) < 0:
-            return outlook.wait_s > switch  # late: only if stopping it saves time
+            # Late: it may stop lower-tier work (waiting only adds to its TTFT), but not work
+            # of its own tier or above, which is on time or, late too, due no later.
+            return running.tier.rank > waiting.tier.rank and outlook.wait_s > switch
         inflated = (outlook.wait_s + outlook.waiting_remaining_s) * (1 + outlook.margin)
         return now + inflated + switch > waiting.deadline_s
 

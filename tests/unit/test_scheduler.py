@@ -585,3 +585,12 @@ def test_per_layer_progress_turns_a_decision_to_wait_into_a_preemption():
     # At 0.9 s b reports half of its layers: 0.5 s left, c would end at 1.52 > 1.5.
     progress = PrefillProgress("b", "w0", 0, layers_done=6, num_layers=12, chunk_end=1000)
     assert step(sched, progress, 0.9) == [Preempt("b", "w0", drop_state=False)]
+
+
+def test_flowprefill_a_late_request_does_not_preempt_a_late_request_of_its_tier():
+    sched = make("flowprefill", max_preemptions=8)
+    arrive(sched, "c1", "critical", 3000, 0.0)  # deadline 1.0, needs 3 s: late
+    # c2 arrived earlier in the scheduler's view (deadline 0.9) but is late too: switching
+    # between two late critical requests saves neither, so c1 keeps the worker.
+    event = RequestArrived("c2", "critical", 100, arrival_s=-0.1)
+    assert step(sched, event, 1.5) == []
