@@ -37,6 +37,7 @@ from tierflow.tiers import TIER_HEADER
 log = structlog.get_logger("openai_api")
 
 T = TypeVar("T")
+REQUEST_ID_HEADER = "x-tierflow-request-id"  # the queue service's id of the request, in logs
 
 
 class ClientGone(Exception):
@@ -133,6 +134,7 @@ class OpenAIApi:
         except OpenAIError as exc:
             generation.close()
             log_.info("refused", status=exc.status, message=exc.message)
+            exc.headers[REQUEST_ID_HEADER] = request_id
             raise
         renderer = Renderer(
             plan.kind,
@@ -141,7 +143,7 @@ class OpenAIApi:
             self.tiers.openai_name(generation.tier or tier),
             plan.include_usage,
         )
-        headers = {TIER_HEADER: generation.tier or tier}
+        headers = {TIER_HEADER: generation.tier or tier, REQUEST_ID_HEADER: request_id}
         if plan.stream:
             log_.info("streaming")
             return StreamingResponse(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from openai_api.service_tiers import DEFAULT_SERVICE_TIERS
@@ -17,7 +17,8 @@ class OpenAIApiConfig:
     model: str = "tiny-llama"
     served_model_name: str | None = None  # the ``model`` clients send; None: ``model``
     tiers_file: Path | None = None  # None: $TIERFLOW_TIERS_FILE, else config/tiers.toml
-    service_tiers: Mapping[str, str] = DEFAULT_SERVICE_TIERS  # OpenAI's service_tier -> tier
+    # OpenAI's service_tier -> tier
+    service_tiers: Mapping[str, str] = field(default_factory=lambda: DEFAULT_SERVICE_TIERS)
     # Tokens to generate when a request does not say: chat (clamped to the room left in the
     # context) and completions (OpenAI's documented default).
     chat_default_max_tokens: int = 1024

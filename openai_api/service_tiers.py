@@ -11,7 +11,7 @@ where it has a name there, else by its tierflow name.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from openai_api.errors import OpenAIError, bad_request
@@ -26,7 +26,7 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class ServiceTiers:
     tiers: TierTable
-    names: Mapping[str, str] = DEFAULT_SERVICE_TIERS  # OpenAI's value -> tierflow tier
+    names: Mapping[str, str] = field(default_factory=lambda: DEFAULT_SERVICE_TIERS)  # -> tier
 
     def __post_init__(self) -> None:
         for openai_name, tier in self.names.items():

@@ -96,8 +96,9 @@ def _up(args: argparse.Namespace) -> int:
     with LocalStack(cfg) as stack:
         e = stack.endpoints
         print(
-            f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON), queue service "
-            f"{e.queue_service}, kafka {e.kafka}; logs in {stack.log_dir}"
+            f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON + OpenAI API at "
+            f"http://{e.envoy or '-'}/v1), queue service {e.queue_service}, kafka {e.kafka}; "
+            f"logs in {stack.log_dir}"
         )
         print("Ctrl-C or `tierflow down` stops it.")
         with contextlib.suppress(KeyboardInterrupt):
@@ -226,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=Path, default=Path("out/predictor.json"))
     c.set_defaults(func=_calibrate)
 
-    up = sub.add_parser("up", help="start Kafka, queue service, workers, gateway and Envoy")
+    up = sub.add_parser(
+        "up", help="start Kafka, queue service, workers, gateway, OpenAI API and Envoy"
+    )
     up.add_argument("--model", default="smollm2")
     up.add_argument("--workers", type=int, default=1)
     up.add_argument("--policy", default="flowprefill")
@@ -256,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", type=Path, default=Path("out"))
     d.set_defaults(func=_demo)
 
-    for name in ("queue-service", "worker", "gateway"):
+    for name in ("queue-service", "worker", "gateway", "openai-api"):
         sub.add_parser(name, help=f"run the {name} process (its own --help)", add_help=False)
     return parser
 
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "queue-service": "queue_service.server",
         "worker": "worker.process",
         "gateway": "gateway.server",
+        "openai-api": "openai_api.server",
     }
     if argv and argv[0] in services:  # the service processes parse their own arguments
         import importlib
