@@ -1,5 +1,5 @@
-# One image for tierflow's Python services: the gateway, the queue service and the workers (and
-# the init step that writes Envoy's descriptor set). docker-compose.yml builds it as
+# One image for tierflow's Python services: the gateway, the queue service, the workers and the
+# OpenAI-compatible service (and the init step that writes Envoy's descriptor set). docker-compose.yml builds it as
 # tierflow:local and runs each service with its own command.
 #
 # torch comes from PyPI, whose Linux x86_64 wheels carry CUDA: the same image runs a worker on a
@@ -28,6 +28,7 @@ COPY tierflow/ tierflow/
 COPY worker/ worker/
 COPY queue_service/ queue_service/
 COPY gateway/ gateway/
+COPY openai_api/ openai_api/
 COPY bench/ bench/
 COPY protos/ protos/
 COPY config/ config/
@@ -41,5 +42,5 @@ RUN useradd --create-home --uid 10001 tierflow \
     && chown tierflow:tierflow /models /descriptors
 USER tierflow
 
-EXPOSE 50051 50052
+EXPOSE 50051 50052 8000
 CMD ["python", "-m", "queue_service.server", "--help"]

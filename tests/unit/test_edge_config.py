@@ -326,7 +326,11 @@ def test_compose_mounts_what_envoy_yaml_expects():
     assert any(m.split(":")[1] == descriptor_dir for m in mounts)
     assert "/descriptors/tierflow.pb" in services["envoy-descriptors"]["command"]
     # The upstream host names of envoy.yaml are compose services.
-    assert {"queue-service", "gateway", "queue-service-canary", "kafka"} <= set(services)
+    assert {"queue-service", "gateway", "queue-service-canary", "kafka", "openai-api"} <= set(
+        services
+    )
+    assert services["envoy"]["depends_on"]["openai-api"]["condition"] == "service_healthy"
+    assert "0.0.0.0:8000" in services["openai-api"]["command"]  # envoy.yaml's openai-api:8000
     gpu = services["worker-gpu0"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["envoy"]["depends_on"]["gateway"]["condition"] == "service_healthy"
