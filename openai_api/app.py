@@ -186,10 +186,12 @@ async def _unless_client_goes(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    finally:  # also when this handler is cancelled itself (shutdown)
         watcher.cancel()
-    if not task.done():
-        task.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+    if gone:
         raise ClientGone
     return task.result()
 

@@ -44,6 +44,7 @@ class Generation:
         self._call = call
         self._scanner = StopScanner(stops)
         self._retry_after_s = retry_after_s
+        self._started = False
         self._first: serving_pb2.GenerateEvent | None = None  # read by start(), not yet used
         self.tier = ""
         self.finish_reason: str | None = None
@@ -54,6 +55,8 @@ class Generation:
 
     async def start(self) -> None:
         """Returns once the request runs; raises OpenAIError if it was refused or failed."""
+        if self._started:
+            return
         while True:
             event = await self._read()
             if event is None:
@@ -65,11 +68,12 @@ class Generation:
                 continue
             if kind in _CONTENT:
                 self._first = event
+            self._started = True
             return
 
     async def pieces(self) -> AsyncIterator[str]:
-        """The completion's text as it is generated, until it is done or hits a stop string.
-        Call ``start()`` first."""
+        """The completion's text as it is generated, until it is done or hits a stop string."""
+        await self.start()
         event, self._first = self._first, None
         while self.finish_reason is None:
             if event is None:
@@ -82,10 +86,10 @@ class Generation:
                 yield piece
 
     async def text(self) -> str:
-        """The whole completion (after ``start()``)."""
+        """The whole completion."""
         pieces = [piece async for piece in self.pieces()]
-        # Done's text is decoded in one go (no per-token decoding seams); a stop string cut
-        # the pieces instead.
+        # Done's text is decoded in one go (no per-token decoding seams); with stop strings the
+        # pieces are what was checked against them.
         return self._full_text if self._full_text is not None else "".join(pieces)
 
     @property

@@ -338,6 +338,49 @@ def test_critical_chat_overtakes_a_running_batch_completion(stack):
     assert preempted  # ...by preempting the batch prefill at a layer boundary
 
 
+# ---------------------------------------------------------------- README
+
+
+def readme_examples(language: str) -> list[str]:
+    """The code blocks of README.md's OpenAI section, as written."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## OpenAI-compatible API", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+def on_this_stack(code: str, stack) -> str:
+    # The README talks to `tierflow up` (localhost:8080, SmolLM2); here: this stack.
+    return code.replace("localhost:8080", stack.target).replace('"smollm2"', f'"{MODEL}"')
+
+
+def test_readme_examples_run(stack):
+    curl = shutil.which("curl")
+    assert curl, "the README examples need curl on PATH"
+    commands = [
+        line.strip()
+        for block in readme_examples("sh")
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.strip().startswith("curl")
+    ]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        args = shlex.split(on_this_stack(command, stack))
+        result = subprocess.run(
+            [args[0], "--fail-with-body", "--silent", "--show-error", *args[1:]],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, (command, result.stdout, result.stderr)
+        if " -N " in f" {command} ":
+            assert result.stdout.rstrip().endswith("data: [DONE]"), result.stdout
+    (snippet,) = readme_examples("python")
+    exec(on_this_stack(snippet, stack), {})  # the SDK example: it streams without an error
+
+
+# ---------------------------------------------------------------- last: spends a bucket
+
+
 def test_rate_limit_is_429_with_retry_after(stack):
     client = sdk(stack, "standard")
     refused = None
@@ -350,43 +393,6 @@ def test_rate_limit_is_429_with_retry_after(stack):
     assert refused is not None, "standard was never rate limited"
     assert refused.code == "rate_limit_exceeded" and refused.response.headers["retry-after"]
     sdk(stack, "critical").models.list()  # buckets are per tier
-
-
-# ---------------------------------------------------------------- README
-
-
-def readme_curl_commands() -> list[str]:
-    """The curl commands of README.md's OpenAI section, as written."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("## OpenAI-compatible API", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.S)
-    commands = []
-    for block in blocks:
-        joined = block.replace("\\\n", " ")
-        commands += [
-            line.strip() for line in joined.splitlines() if line.strip().startswith("curl")
-        ]
-    return commands
-
-
-def test_readme_curl_examples_run(stack):
-    curl = shutil.which("curl")
-    assert curl, "the README examples need curl on PATH"
-    commands = readme_curl_commands()
-    assert len(commands) >= 3, commands
-    for command in commands:
-        # The README talks to `tierflow up` (localhost:8080, SmolLM2); here: this stack.
-        command = command.replace("localhost:8080", stack.target).replace('"smollm2"', f'"{MODEL}"')
-        args = shlex.split(command)
-        result = subprocess.run(
-            [args[0], "--fail-with-body", "--silent", "--show-error", *args[1:]],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, (command, result.stdout, result.stderr)
-        if " -N " in f" {command} ":
-            assert result.stdout.rstrip().endswith("data: [DONE]"), result.stdout
 
 
 # ---------------------------------------------------------------- queue down

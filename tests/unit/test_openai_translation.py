@@ -277,12 +277,12 @@ def test_generation_stop_string_cancels_the_call():
     async def go():
         call = ScriptedCall([QUEUED, *TOKENS, DONE])
         generation = Generation(call, (", w",), retry_after_s=5)
-        await generation.start()
-        return call, generation, await generation.text()
+        return call, generation, await generation.text()  # starts it too
 
     call, generation, text = run(go())
     assert text == "Hello" and generation.finish_reason == "stop" and call.cancelled
-    assert generation.usage == Usage(3, 3)  # counted so far (Done never came)
+    assert generation.usage == Usage(3, 3)  # Queued's prompt, tokens so far (no Done)
+    assert generation.tier == "batch"
 
 
 def test_generation_refused_after_queued_is_an_openai_error():
