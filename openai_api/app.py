@@ -145,7 +145,6 @@ class OpenAIApi:
         )
         headers = {TIER_HEADER: generation.tier or tier, REQUEST_ID_HEADER: request_id}
         if plan.stream:
-            log_.info("streaming")
             return StreamingResponse(
                 _events(generation, renderer, log_),
                 media_type="text/event-stream",
