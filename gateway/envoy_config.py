@@ -20,12 +20,16 @@ from typing import Any
 
 import yaml
 
+from tierflow.addresses import parse_target
+from tierflow.tiers import TIER_HEADER
+
 ENVOY_YAML = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
 
 LISTENER = "tierflow"
 PRIMARY = "queue_service"
 CANARY = "queue_service_canary"
 GATEWAY = "gateway"
+OPENAI_API = "openai_api"
 TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 RATE_LIMIT = "envoy.filters.http.local_ratelimit"
 MIN_FILL_INTERVAL_S = 0.05  # Envoy refuses buckets refilled more often than this
@@ -39,14 +43,6 @@ class _NoAliases(yaml.SafeDumper):
         return True
 
 
-def parse_target(target: str) -> tuple[str, int]:
-    """``host:port`` (or ``[v6]:port``) -> (host, port)."""
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, got {target!r}")
-    return host.strip("[]"), int(port)
-
-
 def render_envoy_config(
     *,
     listen_port: int,
@@ -55,18 +51,21 @@ def render_envoy_config(
     queue_service_canary: str | None,
     gateway: str,
     descriptor_path: Path,
+    openai_api: str | None = None,
     canary_percent: int = 0,
     rate_limits: dict[str, tuple[int, float]] | None = None,
     template: Path = ENVOY_YAML,
 ) -> str:
     """The shipped Envoy config, rewritten for processes on this machine; returns YAML.
 
-    ``queue_service``, ``queue_service_canary`` and ``gateway`` are ``host:port`` targets. With
-    no canary, the canary cluster points at the queue service (the config stays valid) and
-    ``canary_percent`` must be 0. ``canary_percent`` sets the default weights of the split
+    ``queue_service``, ``queue_service_canary``, ``gateway`` and ``openai_api`` are ``host:port``
+    targets. With no canary, the canary cluster points at the queue service (the config stays
+    valid) and ``canary_percent`` must be 0. With no ``openai_api``, its cluster has no
+    endpoint: the OpenAI paths answer 503. ``canary_percent`` sets the default weights of the split
     exactly (100 - p : p); the runtime key still overrides them. ``rate_limits`` maps a tier to
     ``(burst, per_second)``: a token bucket of ``burst`` requests that refills at
-    ``per_second`` requests a second (see ``token_bucket``); tiers not named keep the shipped
+    ``per_second`` requests a second (see ``token_bucket``), on each of the tier's routes (its
+    gRPC/JSON route and its OpenAI route, a bucket each); tiers not named keep the shipped
     limits.
     """
     if not 0 <= canary_percent <= 100:
@@ -86,9 +85,14 @@ def render_envoy_config(
         PRIMARY: queue_service,
         CANARY: queue_service_canary or queue_service,
         GATEWAY: gateway,
+        OPENAI_API: openai_api,
     }
     for name, target in targets.items():
         cluster = _named(clusters, name, "cluster")
+        if target is None:
+            cluster["type"] = "STATIC"
+            cluster["load_assignment"] = {"cluster_name": name, "endpoints": []}
+            continue
         host, port = parse_target(target)
         cluster["type"] = "STATIC" if _is_ip(host) else "STRICT_DNS"
         cluster["load_assignment"] = {
@@ -109,16 +113,26 @@ def render_envoy_config(
                 canary_percent if cluster["name"] == CANARY else 100 - canary_percent
             )
 
-    tier_routes = {
-        r["name"]: r for r in routes if RATE_LIMIT in r.get("typed_per_filter_config", {})
-    }
+    tier_routes: dict[str, list[dict]] = {}
+    for route in routes:
+        if RATE_LIMIT in route.get("typed_per_filter_config", {}):
+            tier_routes.setdefault(_tier_of(route), []).append(route)
     for tier, (burst, per_second) in (rate_limits or {}).items():
         if tier not in tier_routes:
             raise ValueError(f"no route for tier {tier!r}; tier routes: {sorted(tier_routes)}")
-        bucket = tier_routes[tier]["typed_per_filter_config"][RATE_LIMIT]["token_bucket"]
-        bucket.clear()
-        bucket.update(token_bucket(burst, per_second))
+        for route in tier_routes[tier]:
+            bucket = route["typed_per_filter_config"][RATE_LIMIT]["token_bucket"]
+            bucket.clear()
+            bucket.update(token_bucket(burst, per_second))
     return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+def _tier_of(route: Mapping[str, Any]) -> str:
+    """The tier a route serves: the x-tierflow-tier value it matches on."""
+    for header in route["match"].get("headers", []):
+        if header["name"] == TIER_HEADER:
+            return header["string_match"]["exact"]
+    raise ValueError(f"route {route['name']!r} has a rate limit but matches no tier")
 
 
 def token_bucket(burst: int, per_second: float) -> dict[str, Any]:

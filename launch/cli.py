@@ -106,8 +106,9 @@ def _up(args: argparse.Namespace) -> int:
     with LocalStack(cfg) as stack:
         e = stack.endpoints
         print(
-            f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON), queue service "
-            f"{e.queue_service}, kafka {e.kafka}; logs in {stack.log_dir}"
+            f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON + OpenAI API at "
+            f"http://{e.envoy or '-'}/v1), queue service {e.queue_service}, kafka {e.kafka}; "
+            f"logs in {stack.log_dir}"
         )
         print("Ctrl-C or `tierflow down` stops it.")
         with contextlib.suppress(KeyboardInterrupt):
@@ -268,7 +269,9 @@ def _add_calibrate(sub) -> None:
 
 
 def _add_up(sub) -> None:
-    up = sub.add_parser("up", help="start Kafka, queue service, workers, gateway and Envoy")
+    up = sub.add_parser(
+        "up", help="start Kafka, queue service, workers, gateway, OpenAI API and Envoy"
+    )
     up.add_argument("--model", default=StackConfig.model)
     up.add_argument("--workers", type=int, default=StackConfig.workers)
     up.add_argument("--policy", default=StackConfig.policy)
@@ -312,6 +315,7 @@ SERVICES = {
     "queue-service": "queue_service.server",
     "worker": "worker.cli",
     "gateway": "gateway.server",
+    "openai-api": "openai_api.server",
 }
 
 

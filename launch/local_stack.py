@@ -2,9 +2,10 @@
 
 Starts, in dependency order and each only once the previous answers: a Kafka broker (KRaft,
 from its Maven Central jars), the queue service, N workers (each attached), the gateway
-(ext_authz) and Envoy (the edge). Every process logs to one directory. ``stop()`` (Ctrl-C in
-``tierflow up``, or ``tierflow down`` from another shell) stops them in reverse order; children
-also die with the launcher if it is killed, so nothing is left orphaned.
+(ext_authz), the OpenAI-compatible service and Envoy (the edge). Every process logs to one
+directory. ``stop()`` (Ctrl-C in ``tierflow up``, or ``tierflow down`` from another shell) stops
+them in reverse order; children also die with the launcher if it is killed, so nothing is left
+orphaned.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import structlog
 
 from gateway.config import GatewayConfig
 from launch.kafka_broker import LocalKafkaBroker
-from launch.processes import REPO, ServiceProcess, free_port, python_module, wait_serving
+from launch.processes import (
+    REPO,
+    ServiceProcess,
+    free_port,
+    python_module,
+    wait_http_ok,
+    wait_serving,
+)
 from queue_service.config import QueueServiceConfig
 from tierflow.kafka_settings import KafkaSettings
 from worker.config import WorkerConfig
@@ -45,7 +53,7 @@ class StackConfig:
     tiers_file: Path = REPO / "config" / "tiers.toml"
     keys_file: Path = GatewayConfig.keys_file
     predictor_file: Path | None = None
-    edge: bool = True  # start the gateway and Envoy in front of the queue service
+    edge: bool = True  # the gateway, the OpenAI service and Envoy in front of the queue service
     envoy_port: int | None = None  # None: a free port
     rate_limits: dict[str, tuple[int, float]] | None = None  # tier -> (burst, tokens/s)
 
@@ -53,9 +61,10 @@ class StackConfig:
 @dataclass
 class Endpoints:
     queue_service: str = ""
-    envoy: str = ""  # gRPC and JSON (HTTP/1.1) on the same port
+    envoy: str = ""  # gRPC, JSON and the OpenAI API (HTTP/1.1) on the same port
     envoy_admin: str = ""
     gateway: str = ""
+    openai_api: str = ""  # behind Envoy: clients use http://<envoy>/v1
     kafka: str = ""
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -83,6 +92,7 @@ class LocalStack:
                 self._start_worker(f"worker-{i}")
             if cfg.edge:
                 self._start_gateway()
+                self._start_openai_api()
                 self._start_envoy()
             self._write_state()
             log.info(
@@ -150,6 +160,21 @@ class LocalStack:
         self.endpoints.gateway = f"127.0.0.1:{port}"
         wait_serving(self.endpoints.gateway, timeout=60)
 
+    def _start_openai_api(self) -> None:
+        port = free_port()
+        proc = self._spawn(
+            "openai-api",
+            python_module(
+                "openai_api.server",
+                "--listen", f"127.0.0.1:{port}",
+                "--queue-service", self.endpoints.queue_service,
+                "--model", self.config.model,
+                "--tiers", str(self.config.tiers_file),
+            ),
+        )  # fmt: skip
+        self.endpoints.openai_api = f"127.0.0.1:{port}"
+        wait_http_ok(f"http://{self.endpoints.openai_api}/health", proc)
+
     def _start_envoy(self) -> None:
         from gateway.envoy_config import envoy_binary, render_envoy_config
         from launch.protogen import write_descriptor_set
@@ -165,6 +190,7 @@ class LocalStack:
                 queue_service=self.endpoints.queue_service,
                 queue_service_canary=None,
                 gateway=self.endpoints.gateway,
+                openai_api=self.endpoints.openai_api,
                 descriptor_path=descriptor,
                 rate_limits=self.config.rate_limits,
             )
@@ -177,7 +203,7 @@ class LocalStack:
         )  # fmt: skip
         self.endpoints.envoy = f"127.0.0.1:{port}"
         self.endpoints.envoy_admin = f"127.0.0.1:{admin}"
-        _wait_envoy_ready(self.endpoints.envoy_admin, self.processes[-1])
+        wait_http_ok(f"http://{self.endpoints.envoy_admin}/ready", self.processes[-1])
 
     def _write_state(self) -> None:
         state = asdict(self.endpoints) | {"launcher_pid": os.getpid()}
@@ -199,23 +225,6 @@ class LocalStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _wait_envoy_ready(admin: str, proc: ServiceProcess, timeout: float = 60.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"envoy exited:\n{proc.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"http://{admin}/ready", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"envoy not ready within {timeout} s:\n{proc.log_tail()}")
 
 
 def stop_running_stack(log_dir: Path) -> bool:

@@ -113,3 +113,21 @@ def wait_serving(target: str, timeout: float = 60.0, service: str = "") -> None:
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{target} did not become SERVING within {timeout} s")
+
+
+def wait_http_ok(url: str, proc: ServiceProcess, timeout: float = 60.0) -> None:
+    """Until GET ``url`` answers 200 (an HTTP service's health or readiness page)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready within {timeout} s:\n{proc.log_tail()}")

@@ -8,11 +8,15 @@ In one run, on one model:
    in-process (the engine alone), through the queue service, and through Envoy + the gateway,
    taken back to back so drift hits all three alike. The differences per prompt give
    ``stack_added_ttft_ms`` (Kafka + gRPC + worker hop) and ``edge_added_ttft_ms``
-   (Envoy + ext_authz).
+   (Envoy + ext_authz); a fourth measurement, the same prompt as a streamed OpenAI completion
+   through Envoy, gives ``openai_added_ttft_ms`` (the OpenAI service over the gRPC path
+   through Envoy).
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import random
 import time
 from dataclasses import replace
@@ -43,14 +47,37 @@ def _ttft_ms(client: TierflowClient, prompt: list[int]) -> float:
     raise RuntimeError("no first token")
 
 
-def paired_overheads(model, stack_endpoints, chunk_size: int, samples: int, seed: int) -> dict:
+def _openai_ttft_ms(conn: http.client.HTTPConnection, key: str, model: str, prompt) -> float:
+    """Send -> first SSE chunk of a streamed completion of one token (the OpenAI API)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    reply = conn.getresponse()
+    ttft = None
+    for line in reply:  # read to the end, so that the connection is reused
+        if ttft is None and line.startswith(b"data: {"):
+            ttft = (time.perf_counter() - start) * 1000
+    if reply.status != 200 or ttft is None:
+        raise RuntimeError(f"OpenAI completion failed: HTTP {reply.status}")
+    return ttft
+
+
+def _quantiles(samples: list[float]) -> dict:
+    return {"p50": percentile(samples, 50), "p99": percentile(samples, 99), "n": len(samples)}
+
+
+def paired_overheads(loaded, stack_endpoints, chunk_size: int, samples: int, seed: int) -> dict:
     from gateway.demo_keys import DEMO_KEYS
 
+    model = loaded.model
     rng = random.Random(seed)
     engine = PrefillEngine(model, EngineConfig(chunk_size=chunk_size, check="layer"))
     direct = TierflowClient(stack_endpoints.queue_service, tier="critical")
     edge = TierflowClient(stack_endpoints.envoy, api_key=DEMO_KEYS["critical"])
-    added_stack, added_edge = [], []
+    host, port = stack_endpoints.envoy.rsplit(":", 1)
+    openai = http.client.HTTPConnection(host, int(port), timeout=120)
+    added_stack, added_edge, added_openai = [], [], []
     try:
         for i in range(samples + 2):
             prompt = [rng.randrange(5, model.config.vocab_size) for _ in range(rng.randint(16, 64))]
@@ -60,18 +87,20 @@ def paired_overheads(model, stack_endpoints, chunk_size: int, samples: int, seed
             in_process = (time.perf_counter() - start) * 1000
             through_qs = _ttft_ms(direct, prompt)
             through_edge = _ttft_ms(edge, prompt)
+            through_openai = _openai_ttft_ms(openai, DEMO_KEYS["critical"], loaded.name, prompt)
             if i >= 2:  # the first two warm up connections and caches
                 added_stack.append(through_qs - in_process)
                 added_edge.append(through_edge - through_qs)
+                added_openai.append(through_openai - through_edge)
     finally:
         direct.close()
         edge.close()
+        openai.close()
     return {
-        "stack_added_ttft_ms": {"p50": percentile(added_stack, 50),
-                                "p99": percentile(added_stack, 99), "n": len(added_stack)},
-        "edge_added_ttft_ms": {"p50": percentile(added_edge, 50),
-                               "p99": percentile(added_edge, 99), "n": len(added_edge)},
-    }  # fmt: skip
+        "stack_added_ttft_ms": _quantiles(added_stack),
+        "edge_added_ttft_ms": _quantiles(added_edge),
+        "openai_added_ttft_ms": _quantiles(added_openai),
+    }
 
 
 def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
@@ -100,8 +129,7 @@ def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
         stack_summary["engine"] = {"chunk_size": cfg.chunk_size, "check": "layer"}
         result["policies"]["flowprefill@stack"] = stack_summary
         result.update(
-            paired_overheads(loaded.model, stack.endpoints, cfg.chunk_size, PAIRED_SAMPLES,
-                             cfg.seed)
+            paired_overheads(loaded, stack.endpoints, cfg.chunk_size, PAIRED_SAMPLES, cfg.seed)
         )  # fmt: skip
     return result
 
@@ -113,6 +141,7 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     for key, label in (
         ("stack_added_ttft_ms", "Kafka + gRPC + worker hop"),
         ("edge_added_ttft_ms", "Envoy + gateway (ext_authz)"),
+        ("openai_added_ttft_ms", "the OpenAI API (over gRPC through Envoy)"),
     ):
         q = result[key]
         console.print(

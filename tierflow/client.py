@@ -6,7 +6,8 @@
 
 Through the edge, pass ``api_key`` (sent as ``x-api-key``; the edge derives the tier). Talking
 to a queue service directly (tests, a trusted network), pass ``tier`` instead (sent as
-``x-tierflow-tier``, which the edge would overwrite).
+``x-tierflow-tier``, which the edge would overwrite). ``AsyncTierflowClient`` is the same for
+asyncio programs (the OpenAI-compatible service uses it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,37 @@ class Completion:
     events: tuple[serving_pb2.GenerateEvent, ...]
 
 
+def generate_request(
+    prompt: str | Sequence[int],
+    *,
+    max_new_tokens: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    request_id: str = "",
+) -> serving_pb2.GenerateRequest:
+    """The GenerateRequest for a text prompt (tokenised by the service) or token ids."""
+    request = serving_pb2.GenerateRequest(
+        max_new_tokens=max_new_tokens,
+        sampling=serving_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
+        request_id=request_id,
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+def _metadata(api_key: str | None, tier: str | None) -> tuple[tuple[str, str], ...]:
+    metadata = []
+    if api_key is not None:
+        metadata.append((API_KEY_HEADER, api_key))
+    if tier is not None:
+        metadata.append((TIER_HEADER, tier))
+    return tuple(metadata)
+
+
 class TierflowClient:
     def __init__(
         self,
@@ -48,36 +80,20 @@ class TierflowClient:
             else grpc.insecure_channel(target)
         )
         self._stub = serving_pb2_grpc.TierflowStub(self._channel)
-        metadata = []
-        if api_key is not None:
-            metadata.append((API_KEY_HEADER, api_key))
-        if tier is not None:
-            metadata.append((TIER_HEADER, tier))
-        self._metadata = tuple(metadata)
+        self._metadata = _metadata(api_key, tier)
 
     def generate(
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = 1,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        request_id: str = "",
         timeout: float | None = None,
+        **params,
     ) -> Iterator[serving_pb2.GenerateEvent]:
         """Streams the request's events; raises ``grpc.RpcError`` with the status on failure.
-        Closing the iterator early cancels the request."""
-        request = serving_pb2.GenerateRequest(
-            max_new_tokens=max_new_tokens,
-            sampling=serving_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed),
-            request_id=request_id,
+        Closing the iterator early cancels the request. ``params``: see ``generate_request``."""
+        call = self._stub.Generate(
+            generate_request(prompt, **params), metadata=self._metadata, timeout=timeout
         )
-        if isinstance(prompt, str):
-            request.text = prompt
-        else:
-            request.token_ids.ids.extend(prompt)
-        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout)
         try:
             yield from call
         finally:
@@ -114,3 +130,34 @@ class TierflowClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class AsyncTierflowClient:
+    """``TierflowClient.generate`` for asyncio. Create it inside the running loop (a grpc.aio
+    channel binds to the loop it was created on)."""
+
+    def __init__(self, target: str, *, api_key: str | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = serving_pb2_grpc.TierflowStub(self._channel)
+        self._api_key = api_key
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        tier: str | None = None,
+        timeout: float | None = None,
+        **params,
+    ) -> grpc.aio.UnaryStreamCall:
+        """The Generate call: ``await call.read()`` (or ``async for``) gives its events and
+        raises ``grpc.aio.AioRpcError`` with the status on failure; ``call.cancel()`` cancels
+        the request. ``tier`` is sent as the trusted tier header (a caller behind the edge);
+        ``params``: see ``generate_request``."""
+        return self._stub.Generate(
+            generate_request(prompt, **params),
+            metadata=_metadata(self._api_key, tier),
+            timeout=timeout,
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()

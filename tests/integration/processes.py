@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.processes import ServiceProcess, free_port, python_module, wait_serving
+from launch.processes import ServiceProcess, free_port, python_module, wait_http_ok, wait_serving
 from worker.config import WorkerConfig
 
 
@@ -153,3 +153,29 @@ def start_envoy(
         time.sleep(0.2)
     proc.stop()
     raise TimeoutError(f"{name} not ready within 60 s:\n{proc.log_tail()}")
+
+
+def start_openai_api(
+    tmp: Path, queue_target: str, *, model: str, tiers: Path | None = None, extra=()
+) -> tuple[ServiceProcess, str]:
+    """The OpenAI-compatible service (``python -m openai_api.server``), once /health answers."""
+    port = free_port()
+    args = python_module(
+        "openai_api.server",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--queue-service",
+        queue_target,
+        "--model",
+        model,
+        *(["--tiers", str(tiers)] if tiers is not None else []),
+        *extra,
+    )
+    proc = ServiceProcess(f"openai-api:{port}", args, tmp / f"openai_api_{port}.log")
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"http://{target}/health", proc, timeout=120)
+    except (TimeoutError, RuntimeError):
+        proc.stop()
+        raise
+    return proc, target

@@ -40,6 +40,7 @@ from launch.protogen import write_descriptor_set
 from tests.integration.processes import (
     start_envoy,
     start_gateway,
+    start_openai_api,
     start_queue_service,
     start_worker,
 )
@@ -279,8 +280,9 @@ class EdgeStack:
     worker: ServiceProcess
     gateway: ServiceProcess
     envoy: ServiceProcess
-    target: str  # Envoy: gRPC and JSON
+    target: str  # Envoy: gRPC and JSON (and the OpenAI API when started)
     port: int
+    openai_api: ServiceProcess | None = None
 
     def client(self, key_tier: str, **kw) -> TierflowClient:
         """A client through Envoy with the demo key of ``key_tier``."""
@@ -291,7 +293,9 @@ class EdgeStack:
 
 
 @contextlib.contextmanager
-def edge_stack(tmp: Path, kafka, *, model: str, chunk_size: int, rate_limits=None):
+def edge_stack(
+    tmp: Path, kafka, *, model: str, chunk_size: int, rate_limits=None, openai: bool = False
+):
     prefix = f"t{uuid.uuid4().hex[:12]}."  # topics of this stack's own
     settings = KafkaSettings(
         bootstrap=kafka.bootstrap, topic_prefix=prefix, group_id=f"{prefix}queue"
@@ -306,6 +310,10 @@ def edge_stack(tmp: Path, kafka, *, model: str, chunk_size: int, rate_limits=Non
         started.append(worker)
         gateway, gateway_target = start_gateway(tmp, keys=KEYS_FILE, tiers=tiers)
         started.append(gateway)
+        openai_api, openai_target = None, None
+        if openai:
+            openai_api, openai_target = start_openai_api(tmp, qs_target, model=model, tiers=tiers)
+            started.append(openai_api)
         port, admin = free_port(), free_port()
         config = render_envoy_config(
             listen_port=port,
@@ -313,12 +321,13 @@ def edge_stack(tmp: Path, kafka, *, model: str, chunk_size: int, rate_limits=Non
             queue_service=qs_target,
             queue_service_canary=None,
             gateway=gateway_target,
+            openai_api=openai_target,
             descriptor_path=write_descriptor_set(tmp / "tierflow.pb"),
             rate_limits=rate_limits,
         )
         envoy = start_envoy(tmp, config, admin_port=admin)
         started.append(envoy)
-        yield EdgeStack(qs, worker, gateway, envoy, f"127.0.0.1:{port}", port)
+        yield EdgeStack(qs, worker, gateway, envoy, f"127.0.0.1:{port}", port, openai_api)
     finally:
         for proc in reversed(started):
             proc.stop()

@@ -36,7 +36,7 @@ def test_services_import_and_read_the_catalogue_without_torch():
     script = f"""
 import json, os, sys
 before = dict(os.environ)
-import queue_service.server, gateway.server, tierflow.client
+import queue_service.server, gateway.server, openai_api.server, tierflow.client
 from tierflow.catalogue import load_model_info
 infos = [load_model_info(name) for name in ("tiny-llama", "smollm2")]
 print(json.dumps({{

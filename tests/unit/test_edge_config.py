@@ -16,12 +16,12 @@ import yaml
 from gateway.envoy_config import (
     ENVOY_YAML,
     envoy_binary,
-    parse_target,
     render_envoy_config,
     token_bucket,
 )
 from launch.processes import REPO
 from launch.protogen import write_descriptor_set
+from tierflow.addresses import parse_target
 from tierflow.tiers import load_tiers
 
 SHIPPED_DESCRIPTOR = "/etc/envoy/descriptors/tierflow.pb"
@@ -98,6 +98,7 @@ def test_rendered_local_configs_validate(tmp_path, descriptor):
         "canary": dict(queue_service_canary="127.0.0.1:50061", canary_percent=10),
         "limits": dict(rate_limits={"batch": (2, 0.001), "critical": (500, 200.0)}),
         "hostnames": dict(queue_service="localhost:50051", gateway="localhost:50052"),
+        "openai": dict(openai_api="127.0.0.1:8000", rate_limits={"batch": (2, 0.001)}),
     }
     for name, overrides in variants.items():
         path = tmp_path / f"{name}.yaml"
@@ -149,13 +150,43 @@ def test_every_tier_has_a_route_with_its_own_limits_and_the_canary_is_off():
             "queue_service_canary": 0,
         }
     # The fall-through routes refuse; they never forward a request without a tier.
-    assert list(routes)[len(tiers) :] == ["no-tier", "unknown-path"]
+    openai = [f"openai-{tier}" for tier in tiers] + ["openai-no-tier"]
+    assert list(routes)[len(tiers) :] == [*openai, "no-tier", "unknown-path"]
     assert routes["no-tier"]["direct_response"]["status"] == 403
     assert routes["unknown-path"]["direct_response"]["status"] == 404
     upstream = clusters_of(config)["queue_service"]["typed_extension_protocol_options"]
     assert "http2_protocol_options" in str(upstream)
     assert endpoint_of(clusters_of(config)["queue_service"]) == ("queue-service", 50051)
     assert endpoint_of(clusters_of(config)["gateway"]) == ("gateway", 50052)
+
+
+def test_openai_routes_have_a_tier_each_and_errors_in_openai_shape():
+    config = yaml.safe_load(ENVOY_YAML.read_text())
+    routes = routes_of(config)
+    regex = routes["openai-no-tier"]["match"]["safe_regex"]["regex"]
+    for tier in load_tiers(REPO / "config" / "tiers.toml").names:
+        route = routes[f"openai-{tier}"]
+        assert route["match"]["safe_regex"]["regex"] == regex
+        assert route["match"]["headers"] == [
+            {"name": "x-tierflow-tier", "string_match": {"exact": tier}}
+        ]
+        assert route["route"]["cluster"] == "openai_api"
+        # The same limits and idle timeout as the tier's gRPC route.
+        limits = "typed_per_filter_config"
+        assert (
+            route[limits]["envoy.filters.http.local_ratelimit"]["token_bucket"]
+            == routes[tier][limits]["envoy.filters.http.local_ratelimit"]["token_bucket"]
+        )
+        assert route["route"]["idle_timeout"] == routes[tier]["route"]["idle_timeout"]
+    assert routes["openai-no-tier"]["direct_response"]["status"] == 403
+    assert endpoint_of(clusters_of(config)["openai_api"]) == ("openai-api", 8000)
+    # The key may come as a Bearer token; the gateway reads it.
+    authz = filters_of(config)["envoy.filters.http.ext_authz"]
+    assert {"exact": "authorization"} in authz["allowed_headers"]["patterns"]
+    rate_limited, others = hcm(config)["local_reply_config"]["mappers"]
+    assert rate_limited["headers_to_add"][0]["header"]["key"] == "retry-after"
+    for mapper in (rate_limited, others):
+        assert set(mapper["body_format_override"]["json_format"]["error"]) >= {"message", "type"}
 
 
 # ---------------------------------------------------------------- rendering
@@ -175,6 +206,9 @@ def test_render_rewrites_ports_endpoints_descriptor_and_nothing_else(descriptor)
     assert endpoint_of(clusters["queue_service"]) == ("127.0.0.1", 50051)
     assert endpoint_of(clusters["queue_service_canary"]) == ("127.0.0.1", 50051)  # no canary
     assert endpoint_of(clusters["gateway"]) == ("127.0.0.1", 50052)
+    assert clusters["openai_api"]["load_assignment"]["endpoints"] == []  # none given: 503
+    with_openai = yaml.safe_load(render(descriptor, openai_api="127.0.0.1:8000"))
+    assert endpoint_of(clusters_of(with_openai)["openai_api"]) == ("127.0.0.1", 8000)
     filters = filters_of(config)
     assert filters["envoy.filters.http.grpc_json_transcoder"]["proto_descriptor"] == str(descriptor)
     assert routes_of(config) == routes_of(shipped)  # routes, limits and timeouts as shipped
@@ -209,6 +243,9 @@ def test_render_canary_and_rate_limits(descriptor):
     }
     critical = routes["critical"]["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
     assert critical["token_bucket"]["max_tokens"] == 100  # as shipped
+    # A tier's limit applies to its OpenAI route too (a bucket of its own).
+    openai = routes["openai-batch"]["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
+    assert openai["token_bucket"] == bucket["token_bucket"]
 
 
 def test_token_bucket_and_bad_arguments(descriptor):
@@ -289,7 +326,11 @@ def test_compose_mounts_what_envoy_yaml_expects():
     assert any(m.split(":")[1] == descriptor_dir for m in mounts)
     assert "/descriptors/tierflow.pb" in services["envoy-descriptors"]["command"]
     # The upstream host names of envoy.yaml are compose services.
-    assert {"queue-service", "gateway", "queue-service-canary", "kafka"} <= set(services)
+    assert {"queue-service", "gateway", "queue-service-canary", "kafka", "openai-api"} <= set(
+        services
+    )
+    assert services["envoy"]["depends_on"]["openai-api"]["condition"] == "service_healthy"
+    assert "0.0.0.0:8000" in services["openai-api"]["command"]  # envoy.yaml's openai-api:8000
     gpu = services["worker-gpu0"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["envoy"]["depends_on"]["gateway"]["condition"] == "service_healthy"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.auth.v3 import attribute_context_pb2, external_auth_pb2, external_auth_pb2_grpc
 from structlog.testing import capture_logs
 
-from gateway.authz import Authorizer
+from gateway.authz import Authorizer, is_openai_path
 from gateway.demo_keys import DEMO_KEYS
 from gateway.keys import KeyStore, hash_key, load_keys, loads_keys
 from launch.processes import REPO, free_port
@@ -171,10 +172,10 @@ def test_first_load_must_succeed(tmp_path):
 # ---------------------------------------------------------------- Check() over gRPC
 
 
-def check_request(headers: dict[str, str], *, raw: bool = False) -> external_auth_pb2.CheckRequest:
-    http = attribute_context_pb2.AttributeContext.HttpRequest(
-        id="123", method="POST", path="/tierflow.v1.Tierflow/Generate"
-    )
+def check_request(
+    headers: dict[str, str], *, raw: bool = False, path: str = "/tierflow.v1.Tierflow/Generate"
+) -> external_auth_pb2.CheckRequest:
+    http = attribute_context_pb2.AttributeContext.HttpRequest(id="123", method="POST", path=path)
     if raw:  # Envoy's encode_raw_headers form
         http.header_map.headers.extend(
             base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()
@@ -232,7 +233,7 @@ def test_check_allows_a_known_key_sets_the_tier_and_strips_the_key(tmp_path):
         assert reply.WhichOneof("http_response") == "ok_response"
         # SET (overwrite), so a client's own x-tierflow-tier never survives.
         assert headers_of(reply.ok_response.headers) == {"x-tierflow-tier": (tier, overwrite)}
-        assert list(reply.ok_response.headers_to_remove) == ["x-api-key"]
+        assert list(reply.ok_response.headers_to_remove) == ["x-api-key", "authorization"]
     allowed = [e for e in logs if e["event"] == "allowed"]
     assert [(e["tier"], e["key"], e["key_fp"]) for e in allowed] == [
         ("critical", "a", hash_key(KEY_A)[:8]),
@@ -265,6 +266,44 @@ def test_check_denies_missing_and_unknown_keys_as_unauthenticated(tmp_path):
     assert [e["reason"] for e in denied] == ["no key", "unknown key", "no key", "unknown key"]
     assert denied[1]["key_fp"] == hashlib.sha256(unknown.encode()).hexdigest()[:8]
     assert unknown not in repr(logs) and KEY_A not in repr(logs)
+
+
+def test_check_takes_a_bearer_key_and_answers_openai_paths_in_openai_shape(tmp_path):
+    chat = "/v1/chat/completions"
+    replies, logs = run_checks(
+        tmp_path,
+        [
+            check_request({"authorization": f"Bearer {KEY_B}"}, path=chat),
+            check_request({"authorization": f"bearer  {KEY_A} "}, raw=True),
+            check_request({"authorization": f"Basic {KEY_A}"}, path=chat),
+            check_request({"authorization": "Bearer not-a-key-0123456789"}, path="/v1/models"),
+            check_request({"x-api-key": KEY_A, "authorization": "Bearer junk"}),
+        ],
+    )
+    assert [r.status.code for r in replies] == [0, 0, 16, 16, 0]
+    assert [r.ok_response.headers[0].header.value for r in replies if r.status.code == 0] == [
+        "batch",
+        "critical",
+        "critical",  # x-api-key first
+    ]
+    for reply in replies[2:4]:
+        denied = reply.denied_response
+        assert denied.status.code == 401
+        headers = {o.header.key: o.header.value for o in denied.headers}
+        assert headers["content-type"] == "application/json"
+        assert headers["www-authenticate"].startswith("Bearer")
+        error = json.loads(denied.body)["error"]
+        assert error["code"] == "invalid_api_key" and error["message"] == reply.status.message
+    assert "missing API key" in replies[2].status.message
+    assert replies[3].status.message == "unknown API key"
+    assert KEY_A not in repr(logs) and KEY_B not in repr(logs)
+
+
+def test_openai_paths():
+    for path in ("/v1/chat/completions", "/v1/completions?x=1", "/v1/models", "/v1/models/m"):
+        assert is_openai_path(path), path
+    for path in ("/v1/generate", "/tierflow.v1.Tierflow/Generate", "/v1/completionsx", "/"):
+        assert not is_openai_path(path), path
 
 
 # ---------------------------------------------------------------- the process
