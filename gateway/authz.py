@@ -5,6 +5,8 @@ two header mutations that Envoy applies to the request it forwards:
 
 * ``x-tierflow-tier: <tier>`` is SET, overwriting any value the client sent: the tier comes
   from who sent the request, never from the request itself (the queue service trusts it).
+* ``x-tierflow-key-id: <label>`` is SET to the key's label from the keys file (never the key),
+  for the request log.
 * ``x-api-key`` is removed, so the key never reaches the queue service or its logs.
 
 Envoy then re-evaluates the route (its ext_authz filter clears the route cache), so the per-tier
@@ -25,7 +27,8 @@ from envoy.type.v3 import http_status_pb2
 from google.rpc import code_pb2, status_pb2
 
 from gateway.keys import KeyStore, key_fingerprint
-from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
+from gateway.metrics import GatewayMetrics
+from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
 
 log = structlog.get_logger("gateway.authz")
 
@@ -46,15 +49,17 @@ def _header(http: attribute_context_pb2.AttributeContext.HttpRequest, name: str)
     return None
 
 
-def allow(tier: str) -> external_auth_pb2.CheckResponse:
+def allow(tier: str, key_id: str = "") -> external_auth_pb2.CheckResponse:
+    set_headers = {TIER_HEADER: tier} | ({KEY_ID_HEADER: key_id} if key_id else {})
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         ok_response=external_auth_pb2.OkHttpResponse(
             headers=[
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key=TIER_HEADER, value=tier),
+                    header=base_pb2.HeaderValue(key=name, value=value),
                     append_action=_OVERWRITE,
                 )
+                for name, value in set_headers.items()
             ],
             headers_to_remove=[API_KEY_HEADER],
         ),
@@ -82,8 +87,9 @@ def deny(message: str) -> external_auth_pb2.CheckResponse:
 class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
     """Answers Envoy's Check from a KeyStore."""
 
-    def __init__(self, keys: KeyStore) -> None:
+    def __init__(self, keys: KeyStore, metrics: GatewayMetrics | None = None) -> None:
         self.keys = keys
+        self.metrics = metrics or GatewayMetrics("")
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -93,11 +99,14 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
         where = {"method": http.method, "path": http.path, "envoy_request_id": http.id or None}
         if not presented:
             log.info("denied", reason="no key", **where)
+            self.metrics.decided("", False, "no key")
             return deny(f"missing API key: send it in the {API_KEY_HEADER} header")
         key = self.keys.lookup(presented)
         if key is None:
             # The fingerprint of an unknown key helps match a client's report to this line.
             log.info("denied", reason="unknown key", key_fp=key_fingerprint(presented), **where)
+            self.metrics.decided("", False, "unknown key")
             return deny("unknown API key")
         log.info("allowed", tier=key.tier, key=key.name, key_fp=key.fingerprint, **where)
-        return allow(key.tier)
+        self.metrics.decided(key.tier, True, "key")
+        return allow(key.tier, key.name)

@@ -20,7 +20,8 @@ a few hundred bytes that must reach the scheduler in milliseconds, while the vol
   ``group.min.session.timeout.ms`` is 6000, the floor for ``session_timeout_ms``.
 
 Topic names: ``<prefix>priority_<tier>`` for the tier queues (DESIGN.md), ``<prefix>reply_<id>``
-for the reply topic of one queue-service instance.
+for the reply topic of one queue-service instance, ``<prefix>request_log`` for the record of every
+finished request (kept ``request_log_retention_ms``, a week by default).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def reply_topic(prefix: str, instance_id: str) -> str:
     return _check_topic(f"{prefix}reply_{instance_id}")
 
 
+def request_log_topic(prefix: str) -> str:
+    """The topic of finished-request records (``tierflow audit``, ``tierflow compare``)."""
+    return _check_topic(f"{prefix}request_log")
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
     """Where the broker is, what the topics are called, and how clients behave."""
@@ -78,6 +84,8 @@ class KafkaSettings:
     replication_factor: int = 1
     # Replies matter only while the client's stream is open; an hour is plenty.
     reply_retention_ms: int = 60 * 60 * 1000
+    # The request log is what an audit reads: a week of it by default.
+    request_log_retention_ms: int = 7 * 24 * 60 * 60 * 1000
 
     # Producer: how long a publish may take before the client hears UNAVAILABLE.
     request_timeout_ms: int = 5_000
@@ -144,6 +152,10 @@ class KafkaSettings:
 
     def reply_topic(self, instance_id: str) -> str:
         return reply_topic(self.topic_prefix, instance_id)
+
+    @property
+    def request_log_topic(self) -> str:
+        return request_log_topic(self.topic_prefix)
 
     # Client configurations (kafka-python 3 keyword arguments).
 
