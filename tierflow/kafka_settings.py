@@ -21,7 +21,9 @@ a few hundred bytes that must reach the scheduler in milliseconds, while the vol
 
 Topic names: ``<prefix>priority_<tier>`` for the tier queues (DESIGN.md), ``<prefix>reply_<id>``
 for the reply topic of one queue-service instance, ``<prefix>request_log`` for the record of every
-finished request (kept ``request_log_retention_ms``, a week by default).
+finished request (kept ``request_log_retention_ms``, a week by default). A canary deployment
+has tier topics of its own (another prefix) but writes to the primary's request log
+(``request_log``), so that one topic holds both sides of a rollout.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ TOPIC_PREFIX_ENV = "TIERFLOW_KAFKA_TOPIC_PREFIX"
 GROUP_ID_ENV = "TIERFLOW_KAFKA_GROUP_ID"
 PARTITIONS_ENV = "TIERFLOW_KAFKA_PARTITIONS"
 REPLICATION_FACTOR_ENV = "TIERFLOW_KAFKA_REPLICATION_FACTOR"
+REQUEST_LOG_ENV = "TIERFLOW_KAFKA_REQUEST_LOG"
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -84,7 +87,8 @@ class KafkaSettings:
     replication_factor: int = 1
     # Replies matter only while the client's stream is open; an hour is plenty.
     reply_retention_ms: int = 60 * 60 * 1000
-    # The request log is what an audit reads: a week of it by default.
+    # The request-log topic; "": <prefix>request_log. What an audit reads: a week of it.
+    request_log: str = ""
     request_log_retention_ms: int = 7 * 24 * 60 * 60 * 1000
 
     # Producer: how long a publish may take before the client hears UNAVAILABLE.
@@ -136,6 +140,7 @@ class KafkaSettings:
             ("group_id", GROUP_ID_ENV, str),
             ("partitions", PARTITIONS_ENV, int),
             ("replication_factor", REPLICATION_FACTOR_ENV, int),
+            ("request_log", REQUEST_LOG_ENV, str),
         ):
             raw = env.get(var)
             if raw is None or raw == "":
@@ -155,6 +160,8 @@ class KafkaSettings:
 
     @property
     def request_log_topic(self) -> str:
+        if self.request_log:
+            return _check_topic(self.request_log)
         return request_log_topic(self.topic_prefix)
 
     # Client configurations (kafka-python 3 keyword arguments).
