@@ -6,6 +6,8 @@ mutations that Envoy applies to the request it forwards:
 
 * ``x-tierflow-tier: <tier>`` is SET, overwriting any value the client sent: the tier comes
   from who sent the request, never from the request itself (the queue service trusts it).
+* ``x-tierflow-key-id: <label>`` is SET to the key's label from the keys file (never the key),
+  for the request log.
 * ``x-api-key`` and ``authorization`` are removed, so the key never reaches an upstream or its
   logs.
 
@@ -28,8 +30,9 @@ from envoy.type.v3 import http_status_pb2
 from google.rpc import code_pb2, status_pb2
 
 from gateway.keys import KeyStore, key_fingerprint
+from gateway.metrics import GatewayMetrics
 from tierflow.openai_errors import error_json
-from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
+from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
 
 log = structlog.get_logger("gateway.authz")
 
@@ -70,15 +73,17 @@ def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
 
-def allow(tier: str) -> external_auth_pb2.CheckResponse:
+def allow(tier: str, key_id: str = "") -> external_auth_pb2.CheckResponse:
+    set_headers = {TIER_HEADER: tier} | ({KEY_ID_HEADER: key_id} if key_id else {})
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         ok_response=external_auth_pb2.OkHttpResponse(
             headers=[
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(key=TIER_HEADER, value=tier),
+                    header=base_pb2.HeaderValue(key=name, value=value),
                     append_action=_OVERWRITE,
                 )
+                for name, value in set_headers.items()
             ],
             headers_to_remove=[API_KEY_HEADER, AUTHORIZATION_HEADER],
         ),
@@ -109,8 +114,9 @@ def deny(message: str, *, openai: bool = False) -> external_auth_pb2.CheckRespon
 class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
     """Answers Envoy's Check from a KeyStore."""
 
-    def __init__(self, keys: KeyStore) -> None:
+    def __init__(self, keys: KeyStore, metrics: GatewayMetrics | None = None) -> None:
         self.keys = keys
+        self.metrics = metrics or GatewayMetrics("")
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
@@ -121,6 +127,7 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
         openai = is_openai_path(http.path)
         if not presented:
             log.info("denied", reason="no key", **where)
+            self.metrics.decided("", False, "no key")
             return deny(
                 f"missing API key: send it in the {API_KEY_HEADER} header or as "
                 "'Authorization: Bearer <key>'",
@@ -130,6 +137,8 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
         if key is None:
             # The fingerprint of an unknown key helps match a client's report to this line.
             log.info("denied", reason="unknown key", key_fp=key_fingerprint(presented), **where)
+            self.metrics.decided("", False, "unknown key")
             return deny("unknown API key", openai=openai)
         log.info("allowed", tier=key.tier, key=key.name, key_fp=key.fingerprint, **where)
-        return allow(key.tier)
+        self.metrics.decided(key.tier, True, "key")
+        return allow(key.tier, key.name)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierflow.metrics import DEFAULT_DEPLOYMENT
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -16,3 +18,5 @@ class GatewayConfig:
     tiers_file: Path | None = None  # None: $TIERFLOW_TIERS_FILE, else config/tiers.toml
     keys_check_interval_s: float = 1.0  # how often a Check looks at the keys file's mtime
     grace_s: float = 5.0
+    deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port

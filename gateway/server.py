@@ -24,7 +24,9 @@ from grpc_reflection.v1alpha import reflection
 from gateway.authz import Authorizer
 from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
+from gateway.metrics import GatewayMetrics
 from tierflow.logging import configure_logging
+from tierflow.metrics import serve_metrics
 from tierflow.tiers import load_tiers
 
 log = structlog.get_logger("gateway")
@@ -41,10 +43,11 @@ class Gateway:
         self.keys = KeyStore(
             config.keys_file, self.tiers, check_interval_s=config.keys_check_interval_s
         )
+        self.metrics = GatewayMetrics(config.deployment)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(
-            Authorizer(self.keys), self.server
+            Authorizer(self.keys, self.metrics), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -66,6 +69,7 @@ class Gateway:
             loop.add_signal_handler(sig, stopping.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await self.server.start()
+        endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
         for service in ("", AUTHZ_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -74,11 +78,14 @@ class Gateway:
             keys=len(self.keys.table),
             keys_file=str(self.config.keys_file),
             tiers=list(self.tiers.names),
+            metrics_port=endpoint.port if endpoint else None,
         )
         await stopping.wait()
         log.info("stopping")
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_s)
+        if endpoint is not None:
+            endpoint.close()
         log.info("stopped")
 
     def _on_sighup(self) -> None:
@@ -97,12 +104,16 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=GatewayConfig.keys_check_interval_s,
         help="seconds between looks at the keys file's mtime (0: at every Check)",
     )
+    p.add_argument("--deployment", default=GatewayConfig.deployment, help="metrics label")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
     return GatewayConfig(
         listen=args.listen,
         keys_file=args.keys,
         tiers_file=args.tiers,
         keys_check_interval_s=args.keys_check_interval,
+        deployment=args.deployment,
+        metrics_port=args.metrics_port,
     )
 
 

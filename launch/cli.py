@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from launch.local_stack import StackConfig
+from launch.ops_cli import add_ops_commands
 from tierflow.logging import configure_logging
 from worker.config import EngineConfig
 
@@ -161,6 +162,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.canary:
+        from launch.canary_demo import CanaryDemoConfig, run_canary_demo
+
+        given = {"model": args.model, "duration_s": args.duration, "out_dir": args.out,
+                 "canary_percent": args.canary_weight}  # fmt: skip
+        run_canary_demo(CanaryDemoConfig(**{k: v for k, v in given.items() if v is not None}))
+        return 0
     from launch.demo import DemoConfig, run_demo
 
     given = {"model": args.model, "duration_s": args.duration, "out_dir": args.out}
@@ -174,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_engine_bench, _add_bench, _add_calibrate, _add_up, _add_down, _add_generate):
         add(sub)
     _add_demo(sub)
+    add_ops_commands(sub)
     for name in SERVICES:  # listed for --help; main() hands their arguments to the service
         sub.add_parser(name, help=f"run the {name} process (its own --help)", add_help=False)
     return parser
@@ -307,6 +316,11 @@ def _add_demo(sub) -> None:
     d.add_argument("--model", help="default: the stack's (smollm2)")
     d.add_argument("--duration", type=float, help="seconds of arrivals (default 60)")
     d.add_argument("--out", type=Path, help="default out/")
+    d.add_argument(
+        "--canary", action="store_true",
+        help="a rollout: old = chunked, canary = flowprefill, then `tierflow compare`",
+    )  # fmt: skip
+    d.add_argument("--canary-weight", type=int, help="percent to the canary (default 10)")
     d.set_defaults(func=_demo)
 
 

@@ -37,6 +37,8 @@ from worker.config import WorkerConfig
 log = structlog.get_logger("tierflow.stack")
 
 STATE_FILE = "stack.json"
+PRIMARY, CANARY = "primary", "canary"  # the deployment labels of metrics and request log
+CANARY_TOPIC_PREFIX = "tierflow-canary."
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ class StackConfig:
     edge: bool = True  # the gateway, the OpenAI service and Envoy in front of the queue service
     envoy_port: int | None = None  # None: a free port
     rate_limits: dict[str, tuple[int, float]] | None = None  # tier -> (burst, tokens/s)
+    # A canary: a second queue service (this policy) with its own worker(s) and tier topics,
+    # writing to the same request log; Envoy sends it canary_percent of the requests.
+    canary_policy: str | None = None
+    canary_percent: int = 0
 
 
 @dataclass
@@ -66,6 +72,8 @@ class Endpoints:
     gateway: str = ""
     openai_api: str = ""  # behind Envoy: clients use http://<envoy>/v1
     kafka: str = ""
+    queue_service_canary: str = ""
+    metrics: dict[str, str] = field(default_factory=dict)  # service -> host:port of /metrics
     pids: dict[str, int] = field(default_factory=dict)
 
 
@@ -87,9 +95,14 @@ class LocalStack:
             self.broker = LocalKafkaBroker().start(data_dir=kafka_dir)
             self.endpoints.kafka = self.broker.bootstrap
             log.info("kafka ready", bootstrap=self.broker.bootstrap)
-            self._start_queue_service()
+            self.endpoints.queue_service = self._start_queue_service(PRIMARY)
             for i in range(cfg.workers):
-                self._start_worker(f"worker-{i}")
+                self._start_worker(f"worker-{i}", self.endpoints.queue_service, PRIMARY)
+            if cfg.canary_policy:
+                canary = self._start_queue_service(CANARY)
+                self.endpoints.queue_service_canary = canary
+                for i in range(cfg.workers):
+                    self._start_worker(f"canary-worker-{i}", canary, CANARY)
             if cfg.edge:
                 self._start_gateway()
                 self._start_openai_api()
@@ -111,37 +124,60 @@ class LocalStack:
         self.endpoints.pids[name] = proc.proc.pid
         return proc
 
-    def _start_queue_service(self) -> None:
+    def _metrics_port(self, name: str) -> str:
+        port = free_port()
+        self.endpoints.metrics[name] = f"127.0.0.1:{port}"
+        return str(port)
+
+    def _start_queue_service(self, deployment: str) -> str:
+        """The primary or the canary (own tier topics and group, the primary's request log)."""
         cfg = self.config
         port = free_port()
-        settings = KafkaSettings(bootstrap=self.endpoints.kafka)
+        primary = KafkaSettings(bootstrap=self.endpoints.kafka)
+        canary = deployment == CANARY
+        name = "queue-service-canary" if canary else "queue-service"
         command = python_module(
             "queue_service.server",
             "--listen", f"127.0.0.1:{port}",
             "--model", cfg.model,
-            "--policy", cfg.policy,
+            "--policy", (cfg.canary_policy if canary else None) or cfg.policy,
             "--tiers", str(cfg.tiers_file),
-            "--kafka-bootstrap", settings.bootstrap,
-            "--instance-id", "local-0",
+            "--kafka-bootstrap", primary.bootstrap,
+            "--instance-id", "local-canary" if canary else "local-0",
+            "--deployment", deployment,
+            "--metrics-port", self._metrics_port(name),
         )  # fmt: skip
+        if canary:
+            command += ["--topic-prefix", CANARY_TOPIC_PREFIX]
         if cfg.predictor_file:
             command += ["--predictor", str(cfg.predictor_file)]
-        self._spawn("queue-service", command)
-        self.endpoints.queue_service = f"127.0.0.1:{port}"
-        wait_serving(self.endpoints.queue_service, timeout=180)
+        env = (
+            {
+                "TIERFLOW_KAFKA_GROUP_ID": f"{primary.group_id}-canary",
+                "TIERFLOW_KAFKA_REQUEST_LOG": primary.request_log_topic,
+            }
+            if canary
+            else {}
+        )
+        self._spawn(name, command, **env)
+        target = f"127.0.0.1:{port}"
+        wait_serving(target, timeout=180)
+        return target
 
-    def _start_worker(self, worker_id: str) -> None:
+    def _start_worker(self, worker_id: str, queue_service: str, deployment: str) -> None:
         cfg = self.config
         proc = self._spawn(
             worker_id,
             python_module(
                 "worker.process",
-                "--queue-service", self.endpoints.queue_service,
+                "--queue-service", queue_service,
                 "--worker-id", worker_id,
                 "--model", cfg.model,
                 "--device", cfg.device,
                 "--chunk-size", str(cfg.chunk_size or 0),  # 0: the whole prompt
                 "--check", cfg.check,
+                "--deployment", deployment,
+                "--metrics-port", self._metrics_port(worker_id),
             ),
         )  # fmt: skip
         proc.wait_for_log("attached", timeout=600)  # the first SmolLM2 load converts its GGUF
@@ -155,6 +191,7 @@ class LocalStack:
                 "--listen", f"127.0.0.1:{port}",
                 "--keys", str(self.config.keys_file),
                 "--tiers", str(self.config.tiers_file),
+                "--metrics-port", self._metrics_port("gateway"),
             ),
         )  # fmt: skip
         self.endpoints.gateway = f"127.0.0.1:{port}"
@@ -188,7 +225,8 @@ class LocalStack:
                 listen_port=port,
                 admin_port=admin,
                 queue_service=self.endpoints.queue_service,
-                queue_service_canary=None,
+                queue_service_canary=self.endpoints.queue_service_canary or None,
+                canary_percent=self.config.canary_percent,
                 gateway=self.endpoints.gateway,
                 openai_api=self.endpoints.openai_api,
                 descriptor_path=descriptor,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tierflow.catalogue import DEFAULT_MODEL
 from tierflow.kafka_settings import KafkaSettings
+from tierflow.metrics import DEFAULT_DEPLOYMENT
 
 
 @dataclass(frozen=True)
@@ -28,3 +29,5 @@ class QueueServiceConfig:
     max_new_tokens: int = 1024
     max_live: int = 256  # requests taken from Kafka and not finished; the rest wait in Kafka
     grace_s: float = 5.0
+    deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics and request-log records
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port

@@ -24,7 +24,10 @@ from queue_service.broker.bridge import KafkaBridge
 from queue_service.clients.admission import AdmissionLimits
 from queue_service.clients.api import ClientApi
 from queue_service.config import QueueServiceConfig
+from queue_service.core.finished import finished_record
+from queue_service.core.live import LiveRequest
 from queue_service.core.service_core import ServiceCore, Transport
+from queue_service.metrics import QueueServiceMetrics
 from queue_service.scheduler import (
     PrefillTimePredictor,
     Scheduler,
@@ -35,10 +38,13 @@ from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
+from tierflow.metrics import serve_metrics
 from tierflow.tiers import load_tiers
 from tierflow.v1 import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("queue_service")
+
+METRICS_SAMPLE_S = 0.5  # how often the queue depths and suspended bytes are sampled
 
 
 class QueueService:
@@ -54,6 +60,8 @@ class QueueService:
             else PrefillTimePredictor()
         )
         scheduler = Scheduler(make_policy(config.policy), tiers, predictor, SchedulerConfig())
+        self.slos_s = {t.name: t.ttft_slo_s for t in tiers}
+        self.metrics = QueueServiceMetrics(config.deployment, self.slos_s)
         self.kafka = KafkaBridge(
             config.kafka,
             tiers,
@@ -66,6 +74,8 @@ class QueueService:
             Transport(
                 finished=self.kafka.finished,
                 publish_reply=self.kafka.publish_reply,
+                request_ended=self._request_ended,
+                preempted=self.metrics.preempted,
             ),
             instance_id=config.instance_id,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
@@ -97,6 +107,28 @@ class QueueService:
         )
         self.port = self.server.add_insecure_port(config.listen)
 
+    def _request_ended(self, live: LiveRequest, now: float) -> None:
+        """One request-log record per request, counted by the metrics from the same record."""
+        record = finished_record(
+            live,
+            now,
+            deployment=self.config.deployment,
+            policy=self.config.policy,
+            slo_s=self.slos_s.get(live.record.tier, 0.0),
+        )
+        self.metrics.request_ended(record)
+        self.kafka.publish_finished(record)
+
+    async def _sample_metrics(self) -> None:
+        while True:
+            self.metrics.sample(
+                self.core.scheduler.queue_depth(),
+                self.kafka.kafka_waiting,
+                sum(s.suspended_bytes for s in self.workers.sessions.values()),
+                len(self.workers.sessions),
+            )
+            await asyncio.sleep(METRICS_SAMPLE_S)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
@@ -105,6 +137,8 @@ class QueueService:
         await self.server.start()
         self.kafka.start(loop, self.core.on_delivered, self.core.deliver_reply)
         watchdog = asyncio.create_task(self.workers.watch_heartbeats())
+        sampler = asyncio.create_task(self._sample_metrics())
+        endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
         for service in ("", "tierflow.v1.Tierflow", "tierflow.v1.WorkerControl"):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -114,13 +148,18 @@ class QueueService:
             policy=self.config.policy,
             model=self.config.model,
             kafka=self.config.kafka.bootstrap,
+            deployment=self.config.deployment,
+            metrics_port=endpoint.port if endpoint else None,
         )
         await stopping.wait()
         log.info("stopping")
         await self.health.enter_graceful_shutdown()
         watchdog.cancel()
         await self.server.stop(self.config.grace_s)
+        sampler.cancel()
         await loop.run_in_executor(None, self.kafka.stop)
+        if endpoint is not None:
+            endpoint.close()
 
 
 def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
@@ -135,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
     p.add_argument("--instance-id")
     p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
+    p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
     overrides = {
         k: v
@@ -150,6 +191,8 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         predictor_file=args.predictor,
         kafka=KafkaSettings.from_env(**overrides),
         heartbeat_timeout_s=args.heartbeat_timeout,
+        deployment=args.deployment,
+        metrics_port=args.metrics_port,
         **extra,
     )
 

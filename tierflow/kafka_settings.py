@@ -20,7 +20,10 @@ a few hundred bytes that must reach the scheduler in milliseconds, while the vol
   ``group.min.session.timeout.ms`` is 6000, the floor for ``session_timeout_ms``.
 
 Topic names: ``<prefix>priority_<tier>`` for the tier queues (docs/design.md, "Data flow"),
-``<prefix>reply_<id>`` for the reply topic of one queue-service instance.
+``<prefix>reply_<id>`` for the reply topic of one queue-service instance, ``<prefix>request_log``
+for the record of every finished request (kept ``request_log_retention_ms``, a week by
+default). A canary deployment has tier topics of its own (another prefix) but writes to the
+primary's request log (``request_log``), so that one topic holds both sides of a rollout.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ TOPIC_PREFIX_ENV = "TIERFLOW_KAFKA_TOPIC_PREFIX"
 GROUP_ID_ENV = "TIERFLOW_KAFKA_GROUP_ID"
 PARTITIONS_ENV = "TIERFLOW_KAFKA_PARTITIONS"
 REPLICATION_FACTOR_ENV = "TIERFLOW_KAFKA_REPLICATION_FACTOR"
+REQUEST_LOG_ENV = "TIERFLOW_KAFKA_REQUEST_LOG"
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -64,6 +68,11 @@ def reply_topic(prefix: str, instance_id: str) -> str:
     return _check_topic(f"{prefix}reply_{instance_id}")
 
 
+def request_log_topic(prefix: str) -> str:
+    """The topic of finished-request records (``tierflow audit``, ``tierflow compare``)."""
+    return _check_topic(f"{prefix}request_log")
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
     """Where the broker is, what the topics are called, and how clients behave."""
@@ -78,6 +87,9 @@ class KafkaSettings:
     replication_factor: int = 1
     # Replies matter only while the client's stream is open; an hour is plenty.
     reply_retention_ms: int = 60 * 60 * 1000
+    # The request-log topic; "": <prefix>request_log. What an audit reads: a week of it.
+    request_log: str = ""
+    request_log_retention_ms: int = 7 * 24 * 60 * 60 * 1000
 
     # Producer: how long a publish may take before the client hears UNAVAILABLE.
     request_timeout_ms: int = 5_000
@@ -128,6 +140,7 @@ class KafkaSettings:
             ("group_id", GROUP_ID_ENV, str),
             ("partitions", PARTITIONS_ENV, int),
             ("replication_factor", REPLICATION_FACTOR_ENV, int),
+            ("request_log", REQUEST_LOG_ENV, str),
         ):
             raw = env.get(var)
             if raw is None or raw == "":
@@ -144,6 +157,12 @@ class KafkaSettings:
 
     def reply_topic(self, instance_id: str) -> str:
         return reply_topic(self.topic_prefix, instance_id)
+
+    @property
+    def request_log_topic(self) -> str:
+        if self.request_log:
+            return _check_topic(self.request_log)
+        return request_log_topic(self.topic_prefix)
 
     # Client configurations (kafka-python 3 keyword arguments).
 

@@ -29,6 +29,9 @@ _KEYS = {"rank", "ttft_slo_s", "sheddable"}
 # tier the client sent.
 API_KEY_HEADER = "x-api-key"
 TIER_HEADER = "x-tierflow-tier"
+# The label of the key that sent a request (set by the gateway, never the key): the request log
+# records it, so an audit can tell customers apart without holding their keys.
+KEY_ID_HEADER = "x-tierflow-key-id"
 
 
 class UnknownTierError(ValueError):

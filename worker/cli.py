@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reconnect-max", type=float, default=defaults.reconnect_max_s, help="seconds"
     )
+    parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
+    )
     return parser
 
 
@@ -74,6 +78,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         reconnect_min_s=args.reconnect_min,
         reconnect_max_s=args.reconnect_max,
+        deployment=args.deployment,
+        metrics_port=args.metrics_port,
         **extra,
     )
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from tierflow.catalogue import DEFAULT_MODEL
+from tierflow.metrics import DEFAULT_DEPLOYMENT
 
 CheckGranularity = Literal["half", "layer", "chunk", "none"]
 CHECK_GRANULARITIES: tuple[CheckGranularity, ...] = get_args(CheckGranularity)
@@ -59,6 +60,8 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.5
     reconnect_min_s: float = 0.1
     reconnect_max_s: float = 5.0
+    deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
+    metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
 
     def __post_init__(self) -> None:
         if not self.queue_service:

@@ -26,6 +26,7 @@ import time
 import grpc
 import structlog
 
+from tierflow.metrics import serve_metrics
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 from worker import wire
 from worker.backoff import Backoff
@@ -33,6 +34,7 @@ from worker.config import WorkerConfig
 from worker.engine import PrefillEngine
 from worker.event_log import log_event
 from worker.events import Cancelled, Failed, Finished, RunnerEvent
+from worker.metrics import WorkerMetrics
 from worker.models import LoadedModel, load_model
 from worker.request import InvalidRequestError
 from worker.runner import EngineRunner
@@ -72,6 +74,8 @@ class WorkerProcess:
             load_s=round(time.perf_counter() - started, 3),
         )
         self.runner = EngineRunner(self.engine, self._on_event, name=f"engine-{config.worker_id}")
+        self.metrics = WorkerMetrics(config.deployment, config.worker_id)
+        self.metrics_endpoint = None
         self._hello = wire.hello(config.worker_id, self.model.name, self.engine)
         self._cond = threading.Condition()
         # Guarded by _cond:
@@ -91,6 +95,12 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         self.runner.start()
+        self.metrics.start_sampling(
+            lambda: self.runner.running_request_id,
+            lambda: self.runner.suspended_bytes,
+            lambda: len(self._held),
+        )
+        self.metrics_endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
         self._thread.start()
         return self
 
@@ -145,6 +155,9 @@ class WorkerProcess:
         finally:
             self._release_held()
             self.runner.stop()
+            self.metrics.stop()
+            if self.metrics_endpoint is not None:
+                self.metrics_endpoint.close()
             time.sleep(max(0.0, self._ready_settled_at + _CONNECTIVITY_POLL_S - time.monotonic()))
             channel.close()
             self._log.info("stopped", drained=self._draining)
@@ -198,6 +211,7 @@ class WorkerProcess:
         self._log.info(
             "attached",
             queue_service=self.config.queue_service,
+            metrics_port=self.metrics_endpoint.port if self.metrics_endpoint else None,
             model=self.model.name,
             device=str(self.engine.device),
         )
@@ -331,6 +345,7 @@ class WorkerProcess:
             session.send(wire.event_message(event))
             if drained:
                 session.close_after_drain()
+        self.metrics.observe(event)
         log_event(self._log, event)
 
 

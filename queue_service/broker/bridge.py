@@ -39,7 +39,7 @@ class KafkaBridge:
         max_live: int,
         live_count: Callable[[], int],
     ) -> None:
-        ensure_topics(settings, tiers.names, reply_instances=[instance_id])
+        ensure_topics(settings, tiers.names, reply_instances=[instance_id], request_log=True)
         self.settings = settings
         self.tiers = tiers
         self.instance_id = instance_id
@@ -48,6 +48,7 @@ class KafkaBridge:
         self.request_log = RequestLog(settings)
         self.consumer = PriorityConsumer(settings, tiers)
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
+        self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -65,6 +66,8 @@ class KafkaBridge:
                     room = 1
                 for delivered in self.consumer.poll(POLL_TIMEOUT_S, max_records=max(room, 0)):
                     loop.call_soon_threadsafe(on_delivered, delivered.request, delivered)
+                # Swapped whole: the metrics read it from another thread.
+                self.kafka_waiting = self.consumer.waiting()
             self.consumer.close()
 
         def read_replies() -> None:
@@ -83,6 +86,9 @@ class KafkaBridge:
 
     def publish_reply(self, instance_id: str, reply: queue_pb2.ReplyRecord) -> None:
         self.request_log.publish_reply(instance_id, reply)
+
+    def publish_finished(self, record: queue_pb2.FinishedRequest) -> None:
+        self.request_log.publish_finished(record)
 
     def finished(self, delivered: DeliveredRequest) -> None:
         self.consumer.finished(delivered)

@@ -7,6 +7,9 @@ No scheduling decision is made here.
 * **Durable before Queued.** ``RequestLog.publish`` returns only once the broker acknowledged
   the record (acks=all, idempotent producer), so a client told ``Queued`` has a request that
   survives a crash of the service.
+* **Finished requests** go to ``<prefix>request_log`` (``RequestLog.publish_finished``): one
+  ``FinishedRequest`` per request, whatever its end, kept for the audit and the canary compare.
+  Keyed by request id, written from the sending thread (never blocks the loop), acks=all.
 * ``RequestLog`` is thread-safe. ``publish`` blocks until the broker acknowledged: call it from
   an executor thread (``loop.run_in_executor``), never on the asyncio loop. ``publish_reply``
   never blocks: it queues the record for a sending thread of its own and returns a future.
@@ -51,11 +54,12 @@ def ensure_topics(
     tiers: Iterable[str | TierPolicy],
     *,
     reply_instances: Iterable[str] = (),
+    request_log: bool = False,
     timeout_s: float = 30.0,
 ) -> list[str]:
-    """Create the tier topics (and the reply topics of ``reply_instances``) that do not exist
-    yet, and wait until they can be used. Returns the names created; safe to run concurrently
-    from several instances."""
+    """Create the tier topics (the reply topics of ``reply_instances``, the request-log topic
+    with ``request_log``) that do not exist yet, and wait until they can be used. Returns the
+    names created; safe to run concurrently from several instances."""
     wanted: dict[str, dict] = {
         settings.tier_topic(t): {
             "num_partitions": settings.partitions,
@@ -69,6 +73,12 @@ def ensure_topics(
             "num_partitions": 1,
             "replication_factor": settings.replication_factor,
             "configs": {"retention.ms": str(settings.reply_retention_ms)},
+        }
+    if request_log:
+        wanted[settings.request_log_topic] = {
+            "num_partitions": 1,
+            "replication_factor": settings.replication_factor,
+            "configs": {"retention.ms": str(settings.request_log_retention_ms)},
         }
     if not wanted:
         return []
@@ -144,6 +154,29 @@ class RequestLog:
                     "reply not delivered",
                     request_id=reply.request_id,
                     instance=instance_id,
+                    error=str(done.exception()),
+                )
+
+        future.add_done_callback(log_failure)
+        return future
+
+    def publish_finished(
+        self, record: queue_pb2.FinishedRequest
+    ) -> concurrent.futures.Future[None]:
+        """Queue a finished request's record for the request-log topic; never blocks."""
+        future = self._reply_sender.submit(
+            self._send_and_wait,
+            self.settings.request_log_topic,
+            record.request_id,
+            record.SerializeToString(),
+            None,
+        )
+
+        def log_failure(done: concurrent.futures.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.error(
+                    "request-log record not written",
+                    request_id=record.request_id,
                     error=str(done.exception()),
                 )
 

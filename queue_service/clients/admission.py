@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierflow.tiers import TIER_HEADER, TierTable
+from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER, TierTable
 from tierflow.v1 import serving_pb2
 
 MAX_REQUEST_ID_LEN = 128
@@ -46,6 +46,14 @@ class Admitted:
     top_p: float
     seed: int
     timeout_ms: int  # 0: none
+
+
+def key_id_from_metadata(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
+    """The label of the key that sent the request ("" when it did not come through the edge)."""
+    for k, v in metadata:
+        if k.lower() == KEY_ID_HEADER:
+            return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    return ""
 
 
 def tier_from_metadata(metadata: tuple[tuple[str, str | bytes], ...], tiers: TierTable) -> str:

@@ -22,6 +22,7 @@ from queue_service.clients.admission import (
     AdmissionLimits,
     Admitted,
     admit,
+    key_id_from_metadata,
     tier_from_metadata,
 )
 from queue_service.core.live import LiveRequest, Outcome
@@ -150,6 +151,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             arrival_unix_ms=int(now * 1000),
             deadline_unix_ms=int((now + timeout_s) * 1000) if timeout_s else 0,
             reply_to=self.core.instance_id,
+            key_id=key_id_from_metadata(context.invocation_metadata() or ()),
         )
         position = self.core.queue_position(tier)
         log_ = log.bind(request_id=admitted.request_id, tier=tier)

@@ -38,6 +38,7 @@ class LiveRequest:
     output_ids: list[int] = field(default_factory=list)
     outcome: Outcome = Outcome.LIVE
     error: str = ""
+    shed: bool = False  # rejected for load (not for being invalid)
     state: int = serving_pb2.RequestStatus.QUEUED
 
     @property

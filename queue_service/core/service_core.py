@@ -54,10 +54,17 @@ class ClientError:
 ClientItem = serving_pb2.GenerateEvent | ClientError
 
 
+def _ignore(*_: Any) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class Transport:
     finished: Callable[[Any], None]
     publish_reply: Callable[[str, queue_pb2.ReplyRecord], None]
+    # Observers (the request log, the metrics), called on the loop; they must not block.
+    request_ended: Callable[[LiveRequest, float], None] = _ignore  # (request, now)
+    preempted: Callable[[str, float, bool], None] = _ignore  # (tier, latency_s, state_dropped)
 
 
 class LoopTimers:
@@ -243,6 +250,7 @@ class ServiceCore:
     def _on_preempted(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.preemptions += 1
         live.state = Status.SUSPENDED
+        self.transport.preempted(live.record.tier, body.latency_ms / 1000, body.state_dropped)
         if body.state_dropped:
             live.output_ids.clear()
         else:
@@ -319,6 +327,7 @@ class ServiceCore:
             else grpc.StatusCode.INVALID_ARGUMENT
         )
         self._send(live, ClientError(code, reject.reason))
+        live.shed = reject.overload
         self._end(live, Outcome.REJECTED, Status.REJECTED, reject.reason)
 
     @staticmethod
@@ -371,6 +380,7 @@ class ServiceCore:
         self.finished[live.request_id] = live
         if live.delivery is not None:
             self.transport.finished(live.delivery)
+        self.transport.request_ended(live, self.clock())
 
 
 def _status_code(value: int) -> grpc.StatusCode:

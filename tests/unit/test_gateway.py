@@ -228,11 +228,16 @@ def test_check_allows_a_known_key_sets_the_tier_and_strips_the_key(tmp_path):
         ],
     )
     overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-    for reply, tier in zip(replies, ["critical", "batch", "batch"], strict=True):
+    expected = [("critical", "a"), ("batch", "b"), ("batch", "b")]
+    for reply, (tier, label) in zip(replies, expected, strict=True):
         assert reply.status.code == grpc.StatusCode.OK.value[0]
         assert reply.WhichOneof("http_response") == "ok_response"
-        # SET (overwrite), so a client's own x-tierflow-tier never survives.
-        assert headers_of(reply.ok_response.headers) == {"x-tierflow-tier": (tier, overwrite)}
+        # SET (overwrite), so a client's own x-tierflow-tier never survives; the key's label
+        # (never the key) for the request log.
+        assert headers_of(reply.ok_response.headers) == {
+            "x-tierflow-tier": (tier, overwrite),
+            "x-tierflow-key-id": (label, overwrite),
+        }
         assert list(reply.ok_response.headers_to_remove) == ["x-api-key", "authorization"]
     allowed = [e for e in logs if e["event"] == "allowed"]
     assert [(e["tier"], e["key"], e["key_fp"]) for e in allowed] == [

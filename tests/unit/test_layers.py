@@ -3,6 +3,7 @@
 tierflow (shared: tiers, settings, client, catalogue, logging, stubs)
   <- worker, queue_service, gateway, openai_api (services: never each other)
   <- bench (in-process harnesses of the worker and the queue service)
+  <- ops (the operator's audit, canary and compare; reads bench's traces)
   <- launch (the entry layer: command line, local stack; may import everything)
 """
 
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("tierflow", "worker", "queue_service", "gateway", "openai_api", "bench", "launch")
+PACKAGES = (
+    "tierflow", "worker", "queue_service", "gateway", "openai_api", "bench", "ops", "launch",
+)  # fmt: skip
 ALLOWED = {
     "tierflow": {"tierflow"},
     "worker": {"tierflow", "worker"},
@@ -22,6 +25,7 @@ ALLOWED = {
     "gateway": {"tierflow", "gateway"},
     "openai_api": {"tierflow", "openai_api"},
     "bench": {"tierflow", "worker", "queue_service", "bench"},
+    "ops": {"tierflow", "queue_service", "bench", "ops"},
     "launch": set(PACKAGES),
 }
 

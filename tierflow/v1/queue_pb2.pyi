@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to")
+    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class QueuedRequest(_message.Message):
     ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,7 +28,8 @@ class QueuedRequest(_message.Message):
     arrival_unix_ms: int
     deadline_unix_ms: int
     reply_to: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ...) -> None: ...
+    key_id: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
 
 class ReplyRecord(_message.Message):
     __slots__ = ("request_id", "event", "error")
@@ -46,3 +48,37 @@ class ReplyError(_message.Message):
     code: int
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class FinishedRequest(_message.Message):
+    __slots__ = ("request_id", "tier", "key_id", "prompt_tokens", "output_tokens", "arrival_unix_ms", "finished_unix_ms", "ttft_ms", "tbt_ms", "preemptions", "status", "deployment", "policy", "slo_ms", "worker_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tier: str
+    key_id: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_unix_ms: int
+    finished_unix_ms: int
+    ttft_ms: float
+    tbt_ms: float
+    preemptions: int
+    status: str
+    deployment: str
+    policy: str
+    slo_ms: float
+    worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ...) -> None: ...

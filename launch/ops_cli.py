@@ -1,0 +1,214 @@
+"""The operator's commands: ``tierflow audit``, ``tierflow compare``, ``tierflow canary set|status``
+and ``tierflow request-log dump``. Thin wrappers over ``ops``; ``launch.cli`` registers them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+from launch.local_stack import STATE_FILE, StackConfig
+from tierflow.kafka_settings import KafkaSettings
+from tierflow.tiers import load_tiers
+
+DEFAULT_KV_BYTES_PER_TOKEN = (
+    2 * 12 * 2 * 64 * 4
+)  # bench-llama: K+V x 12 layers x 2 heads x 64, fp32
+
+
+def add_ops_commands(sub) -> None:
+    _add_audit(sub)
+    _add_compare(sub)
+    _add_canary(sub)
+    _add_request_log(sub)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _add_source_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
+    p.add_argument("--request-log-topic", help="default <prefix>request_log")
+    p.add_argument("--since", help="window start: ISO time, or seconds ago (e.g. 3600)")
+    p.add_argument("--until", help="window end: ISO time, or seconds ago")
+    p.add_argument("--tiers", type=Path, help="tiers TOML (default config/tiers.toml)")
+
+
+def _when(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return time.time() - float(text)
+    except ValueError:
+        return datetime.fromisoformat(text).timestamp()
+
+
+def _settings(args: argparse.Namespace) -> KafkaSettings:
+    overrides = {"bootstrap": args.kafka_bootstrap, "request_log": args.request_log_topic}
+    return KafkaSettings.from_env(**{k: v for k, v in overrides.items() if v})
+
+
+def _records(args: argparse.Namespace, source: str, progress=None):
+    from bench.traces import TraceOptions
+    from ops.records import read_source
+
+    opts = TraceOptions(
+        length_scale=getattr(args, "trace_length_scale", 1.0),
+        critical_share=getattr(args, "trace_critical_share", 0.5),
+    )
+    return read_source(
+        source, settings=_settings(args), since_s=_when(args.since), until_s=_when(args.until),
+        trace_options=opts, progress=progress,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- audit
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from ops.audit import Audit
+    from ops.audit_report import write_report
+    from queue_service.scheduler.predictor import PrefillTimePredictor
+
+    predictor = (
+        PrefillTimePredictor.load(args.predictor) if args.predictor else PrefillTimePredictor()
+    )
+    audit = Audit(load_tiers(args.tiers), predictor, workers=args.workers, switch_s=args.switch_s)
+    columns = ["{task.description}", BarColumn(), "{task.percentage:>3.0f}%"]
+    if args.source != "kafka":
+        columns += [DownloadColumn(), TimeRemainingColumn()]
+    with Progress(*columns) as bar:
+        task = bar.add_task(f"reading {args.source}", total=None)
+        audit.add_all(
+            _records(args, args.source, lambda d, t: bar.update(task, completed=d, total=t))
+        )
+    summary = audit.summary(args.kv_bytes_per_token)
+    paths = write_report(audit, summary, args.out, f"tierflow audit: {args.source}")
+    print(paths["markdown"].read_text().split("![")[0])
+    print(f"wrote {', '.join(str(p) for p in paths.values())} and the PNGs in {args.out}")
+    return 0
+
+
+def _add_audit(sub) -> None:
+    a = sub.add_parser(
+        "audit", help="per-tier lengths, arrivals, head-of-line blocking: is tierflow worth it?"
+    )
+    a.add_argument("source", help="'kafka' (the request log), a request-log dump or a trace")
+    _add_source_options(a)
+    a.add_argument("--predictor", type=Path, help="from `tierflow calibrate` (default: built-in)")
+    a.add_argument("--workers", type=int, default=1, help="engines in the FIFO simulation")
+    a.add_argument("--switch-s", type=float, default=0.05, help="preemption time, seconds")
+    a.add_argument(
+        "--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+        help="suspended state per prompt token (default bench-llama fp32)",
+    )  # fmt: skip
+    a.add_argument("--trace-length-scale", type=float, default=1.0)
+    a.add_argument("--trace-critical-share", type=float, default=0.5)
+    a.add_argument("--out", type=Path, default=Path("out/audit"))
+    a.set_defaults(func=_audit)
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def run_compare(args: argparse.Namespace) -> dict:
+    from ops.compare import Criteria, compare, format_report
+
+    tiers = load_tiers(args.tiers)
+    criteria = Criteria(
+        min_violation_reduction=args.min_violation_reduction,
+        max_lower_tier_loss=args.max_lower_tier_loss,
+        min_n=args.min_n,
+    )
+    result = compare(
+        _records(args, args.source), tiers=list(tiers.names),
+        slos={t.name: t.ttft_slo_s for t in tiers}, old=args.old, new=args.new, criteria=criteria,
+    )  # fmt: skip
+    report = format_report(result)
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from ops.compare import FAIL
+
+    return 1 if run_compare(args)["verdict"] == FAIL else 0
+
+
+def add_compare_options(c: argparse.ArgumentParser) -> None:
+    from ops.compare import Criteria
+
+    c.add_argument("--old", default="primary", help="deployment label of the current version")
+    c.add_argument("--new", default="canary", help="deployment label of the canary")
+    c.add_argument(
+        "--min-violation-reduction", type=float, default=Criteria.min_violation_reduction
+    )
+    c.add_argument("--max-lower-tier-loss", type=float, default=Criteria.max_lower_tier_loss)
+    c.add_argument("--min-n", type=int, default=Criteria.min_n, help="top-tier requests/side")
+
+
+def _add_compare(sub) -> None:
+    c = sub.add_parser("compare", help="old vs canary from the request log, with a verdict")
+    c.add_argument("source", nargs="?", default="kafka", help="'kafka' (default) or a dump")
+    _add_source_options(c)
+    add_compare_options(c)
+    c.add_argument("--out", type=Path, help="write the Markdown report (and .json) here")
+    c.set_defaults(func=_compare)
+
+
+# ------------------------------------------------------------------------------ canary
+
+
+def _admin(args: argparse.Namespace) -> str:
+    if args.admin:
+        return args.admin
+    state = Path(args.log_dir) / STATE_FILE  # a running `tierflow up`
+    if state.exists():
+        return json.loads(state.read_text())["envoy_admin"]
+    return "127.0.0.1:9901"
+
+
+def _canary(args: argparse.Namespace) -> int:
+    from ops import canary
+
+    admin = _admin(args)
+    if args.action == "set":
+        canary.set_weight(admin, args.weight)
+    print(json.dumps(canary.status(admin), indent=2))
+    return 0
+
+
+def _add_canary(sub) -> None:
+    c = sub.add_parser("canary", help="set or read Envoy's split to the canary (run time)")
+    c.add_argument("action", choices=["set", "status"])
+    c.add_argument("--weight", type=int, help="percent of new requests to the canary (set)")
+    c.add_argument("--admin", help="Envoy admin host:port (default: the running stack's)")
+    c.add_argument("--log-dir", type=Path, default=StackConfig.log_dir)
+    c.set_defaults(func=_canary)
+
+
+# ------------------------------------------------------------------------- request log
+
+
+def _request_log(args: argparse.Namespace) -> int:
+    from ops.records import dump_kafka
+
+    n = dump_kafka(_settings(args), args.out, since_s=_when(args.since), until_s=_when(args.until))
+    print(f"wrote {n} records to {args.out}")
+    return 0
+
+
+def _add_request_log(sub) -> None:
+    r = sub.add_parser("request-log", help="dump the request log's window as JSON lines")
+    r.add_argument("action", choices=["dump"])
+    _add_source_options(r)
+    r.add_argument("--out", type=Path, default=Path("out/request_log.jsonl"))
+    r.set_defaults(func=_request_log)

@@ -1,0 +1,57 @@
+"""The request-log record of a request that ended: what `tierflow audit` and `tierflow compare`
+read, and what the service's metrics count.
+
+Lengths, timings and labels only: never the prompt, the output or the API key (``key_id`` is the
+key's label, set by the gateway).
+"""
+
+from __future__ import annotations
+
+import time
+
+from queue_service.core.live import LiveRequest, Outcome
+from tierflow.v1 import queue_pb2
+
+# The `status` values of a finished record (and of tierflow_requests_total's label).
+STATUSES = ("done", "cancelled", "rejected", "shed", "failed")
+
+
+def status_of(live: LiveRequest) -> str:
+    if live.outcome is Outcome.REJECTED and live.shed:
+        return "shed"
+    return live.outcome.value
+
+
+def finished_record(
+    live: LiveRequest, now: float, *, deployment: str, policy: str, slo_s: float
+) -> queue_pb2.FinishedRequest:
+    """``now`` on the service's clock (the same as ``live``'s times)."""
+    ttft_s = live.first_token_at - live.arrived_at if live.first_token_at is not None else 0.0
+    n_out = len(live.output_ids)
+    tbt_s = (now - live.first_token_at) / (n_out - 1) if live.first_token_at and n_out > 1 else 0.0
+    wall_now = time.time()
+    return queue_pb2.FinishedRequest(
+        request_id=live.request_id,
+        tier=live.record.tier,
+        key_id=live.record.key_id,
+        prompt_tokens=len(live.record.prompt_ids),
+        output_tokens=n_out if live.outcome is Outcome.DONE else 0,
+        arrival_unix_ms=live.record.arrival_unix_ms,
+        finished_unix_ms=int(wall_now * 1000),
+        ttft_ms=ttft_s * 1000,
+        tbt_ms=tbt_s * 1000,
+        preemptions=live.preemptions,
+        status=status_of(live),
+        deployment=deployment,
+        policy=policy,
+        slo_ms=slo_s * 1000,
+        worker_id=live.worker_id or "",
+    )
+
+
+def violated_slo(record: queue_pb2.FinishedRequest) -> bool:
+    """A request the tier's SLO was not met for: done with a TTFT over the SLO, or never served
+    (shed or failed). Cancelled (the client left) and invalid (rejected) requests are not."""
+    if record.status == "done":
+        return record.ttft_ms > record.slo_ms
+    return record.status in ("shed", "failed")

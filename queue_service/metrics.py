@@ -1,0 +1,103 @@
+"""The queue service's Prometheus metrics (served with ``--metrics-port``).
+
+Counted when a request ends (from its request-log record, so the metrics and the log agree):
+
+* ``tierflow_requests_total{tier,status}``: status done, cancelled, rejected, shed, failed;
+* ``tierflow_ttft_seconds{tier}``, ``tierflow_tbt_seconds{tier}`` (done requests; the TTFT
+  buckets include every tier's SLO, so ``le="<slo>"`` is the count within SLO);
+* ``tierflow_slo_violations_total{tier}``: done over the SLO, or shed or failed.
+
+Counted as it happens: ``tierflow_preemptions_total{tier,kind}`` (kind ``kept``: the state stays
+for a resume; ``dropped``: recomputed later) and ``tierflow_preemption_latency_seconds`` (signal
+to stop, as the worker measured it). Sampled: ``tierflow_queue_depth{tier,where}`` (where
+``scheduler``: waiting or suspended in the scheduler; ``kafka``: the consumer's lag plus its
+buffer), ``tierflow_suspended_bytes`` (what all workers report holding), ``tierflow_workers``.
+Every metric carries ``deployment``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from queue_service.core.finished import violated_slo
+from tierflow.metrics import DEPLOYMENT_LABEL, latency_buckets
+from tierflow.v1 import queue_pb2
+
+_D = DEPLOYMENT_LABEL
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_PREEMPTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class QueueServiceMetrics:
+    def __init__(self, deployment: str, slos_s: dict[str, float]) -> None:
+        self.deployment = deployment
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tierflow_requests", "Requests ended, by tier and status",
+            [_D, "tier", "status"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "tierflow_ttft_seconds", "Time to first token of done requests",
+            [_D, "tier"], buckets=latency_buckets(slos_s.values()), registry=r,
+        )  # fmt: skip
+        self.tbt = Histogram(
+            "tierflow_tbt_seconds", "Mean time between output tokens of a done request",
+            [_D, "tier"], buckets=_TBT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.violations = Counter(
+            "tierflow_slo_violations", "Requests that missed their tier's TTFT SLO",
+            [_D, "tier"], registry=r,
+        )  # fmt: skip
+        self.preemptions = Counter(
+            "tierflow_preemptions", "Preemptions acknowledged by workers",
+            [_D, "tier", "kind"], registry=r,
+        )  # fmt: skip
+        self.preemption_latency = Histogram(
+            "tierflow_preemption_latency_seconds", "From the stop signal to the engine stopped",
+            [_D], buckets=_PREEMPTION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "tierflow_queue_depth", "Requests waiting, in the scheduler or still in Kafka",
+            [_D, "tier", "where"], registry=r,
+        )  # fmt: skip
+        self.suspended_bytes = Gauge(
+            "tierflow_suspended_bytes", "Bytes of suspended prefill state the workers hold",
+            [_D], registry=r,
+        )  # fmt: skip
+        self.workers = Gauge("tierflow_workers", "Attached workers", [_D], registry=r)
+        for tier in slos_s:  # every series exists from the start: rate() needs a zero
+            self.violations.labels(deployment, tier)
+            self.ttft.labels(deployment, tier)
+            for where in ("scheduler", "kafka"):
+                self.queue_depth.labels(deployment, tier, where)
+
+    def request_ended(self, record: queue_pb2.FinishedRequest) -> None:
+        d, tier = self.deployment, record.tier
+        self.requests.labels(d, tier, record.status).inc()
+        if record.status == "done":
+            self.ttft.labels(d, tier).observe(record.ttft_ms / 1000)
+            if record.output_tokens > 1:
+                self.tbt.labels(d, tier).observe(record.tbt_ms / 1000)
+        if violated_slo(record):
+            self.violations.labels(d, tier).inc()
+
+    def preempted(self, tier: str, latency_s: float, state_dropped: bool) -> None:
+        kind = "dropped" if state_dropped else "kept"
+        self.preemptions.labels(self.deployment, tier, kind).inc()
+        self.preemption_latency.labels(self.deployment).observe(latency_s)
+
+    def sample(
+        self,
+        scheduler_depth: dict[str, int],
+        kafka_depth: dict[str, int],
+        suspended_bytes: int,
+        workers: int,
+    ) -> None:
+        """Called on the service's loop every few hundred milliseconds."""
+        d = self.deployment
+        for where, depths in (("scheduler", scheduler_depth), ("kafka", kafka_depth)):
+            for tier, n in depths.items():
+                self.queue_depth.labels(d, tier, where).set(n)
+        self.suspended_bytes.labels(d).set(suspended_bytes)
+        self.workers.labels(d).set(workers)

@@ -1,0 +1,108 @@
+"""A worker's Prometheus metrics (served with ``--metrics-port``), labelled ``deployment`` and
+``worker``:
+
+* ``tierflow_engine_busy_seconds_total``: engine time spent running a request; its ``rate()`` is
+  the engine's busy fraction (also sampled as ``tierflow_engine_busy_fraction`` over the last
+  window);
+* ``tierflow_batch_size``: requests in the engine's current step (the engine runs one request
+  at a time: 0 or 1), ``tierflow_worker_requests_held``: assigned and not finished (running,
+  queued or suspended);
+* ``tierflow_layer_seconds``: the time of one decoder layer over one chunk, from the engine's
+  per-layer progress reports;
+* ``tierflow_worker_suspended_bytes``: what suspended requests hold on this worker.
+
+Busy time is sampled from the runner (``running_request_id``) by a thread of its own every
+``SAMPLE_S``: nothing is added to the engine's layer loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tierflow.metrics import DEPLOYMENT_LABEL
+from worker.events import Cancelled, Failed, Finished, Preempted, Progress, RunnerEvent
+
+SAMPLE_S = 0.05
+_LAYER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LABELS = [DEPLOYMENT_LABEL, "worker"]
+
+
+class WorkerMetrics:
+    def __init__(self, deployment: str, worker_id: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = (deployment, worker_id)
+        self.busy_s = Counter(
+            "tierflow_engine_busy_seconds", "Engine time spent on requests", _LABELS, registry=r
+        ).labels(*labels)
+        self.busy_fraction = Gauge(
+            "tierflow_engine_busy_fraction", "Share of the last second the engine was busy",
+            _LABELS, registry=r,
+        ).labels(*labels)  # fmt: skip
+        self.batch_size = Gauge(
+            "tierflow_batch_size", "Requests in the engine's current step", _LABELS, registry=r
+        ).labels(*labels)
+        self.held = Gauge(
+            "tierflow_worker_requests_held", "Requests assigned and not finished",
+            _LABELS, registry=r,
+        ).labels(*labels)  # fmt: skip
+        self.layer_s = Histogram(
+            "tierflow_layer_seconds", "One decoder layer over one chunk",
+            _LABELS, buckets=_LAYER_BUCKETS, registry=r,
+        ).labels(*labels)  # fmt: skip
+        self.suspended = Gauge(
+            "tierflow_worker_suspended_bytes", "Bytes held by suspended requests",
+            _LABELS, registry=r,
+        ).labels(*labels)  # fmt: skip
+        self._last_layer: dict[str, Progress] = {}  # engine thread only
+        self._stop = threading.Event()
+
+    def observe(self, event: RunnerEvent) -> None:
+        """Called on the engine thread for each event."""
+        rid = event.request_id
+        if isinstance(event, Progress) and event.layers_done > 0:
+            prev = self._last_layer.get(rid)
+            if (
+                prev is not None
+                and prev.chunk_end == event.chunk_end
+                and prev.layers_done == event.layers_done - 1
+            ):
+                self.layer_s.observe(event.at - prev.at)
+            self._last_layer[rid] = event
+        elif isinstance(event, Preempted | Finished | Cancelled | Failed | Progress):
+            # A chunk end, a stop or an end: the next layer report starts a new interval.
+            self._last_layer.pop(rid, None)
+
+    def start_sampling(
+        self,
+        running: Callable[[], str | None],
+        suspended_bytes: Callable[[], int],
+        held: Callable[[], int],
+        window_s: float = 1.0,
+    ) -> None:
+        def sample() -> None:
+            busy_window: list[bool] = []
+            size = max(1, round(window_s / SAMPLE_S))
+            last = time.monotonic()
+            while not self._stop.wait(SAMPLE_S):
+                now = time.monotonic()
+                busy = running() is not None
+                if busy:
+                    self.busy_s.inc(now - last)
+                last = now
+                busy_window = [*busy_window[-(size - 1) :], busy]
+                self.busy_fraction.set(sum(busy_window) / len(busy_window))
+                self.batch_size.set(int(busy))
+                self.held.set(held())
+                # RuntimeError: the engine changed its table mid-read; the next sample reads it.
+                with contextlib.suppress(RuntimeError):
+                    self.suspended.set(suspended_bytes())
+
+        threading.Thread(target=sample, name="worker-metrics", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
