@@ -10,14 +10,11 @@ it is preempted for, so that request does not cause a second preemption meanwhil
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
-from queue_service.scheduler.prediction_error import PredictionErrors
+from queue_service.scheduler.prediction_error import PredictionErrors, SwitchTime
 from queue_service.scheduler.predictor import PrefillTimePredictor
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 
@@ -29,14 +26,7 @@ class Estimator:
     predictor: PrefillTimePredictor
     decode_s_per_token: float
     errors: PredictionErrors
-    # Observed preemption latencies (Preempt received -> engine stopped), newest last.
-    switch_samples: deque[float] = field(default_factory=lambda: deque(maxlen=64))
-
-    def switch_s(self) -> float:
-        """p95 of the observed preemption latencies; 0 before the first one."""
-        if not self.switch_samples:
-            return 0.0
-        return float(np.quantile(np.fromiter(self.switch_samples, float), 0.95))
+    switch: SwitchTime = field(default_factory=SwitchTime)
 
     def prefill_left(self, req: Request, now: float) -> float:
         if req.prefilled:
@@ -201,7 +191,7 @@ def _pick_victim(
 ) -> Request | None:
     waiting_left = estimator.prefill_left(req, now)
     margin = estimator.errors.margin()
-    switch_s = estimator.switch_s()
+    switch_s = estimator.switch.p95()
     eligible: list[tuple[SortKey, Request]] = []
     for worker_id, running in victims.items():
         if pinned is not None and worker_id != pinned:
@@ -227,7 +217,7 @@ def wakeups(
     prediction (the policy's ``latest_start_s``). A request whose wake-up fired has none."""
     if not policy.preempts:
         return {}
-    margin, switch_s = estimator.errors.margin(), estimator.switch_s()
+    margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
     times: dict[str, float] = {}
     for req in waiting:
         if req.due:

@@ -1,4 +1,5 @@
-"""How wrong the prefill-time predictor has been, and the safety margin that follows from it.
+"""How wrong the prefill-time predictor has been, and the safety margin that follows from it;
+and how long a preemption takes to act.
 
 Each request that prefilled without a restart yields one out-of-sample error: the prediction
 made when it first started against the busy time it really took. Waiting on a prediction is
@@ -34,6 +35,7 @@ class PredictionErrors:
         if not 0 < quantile < 1:
             raise ValueError("quantile must be in (0, 1)")
         self._errors: deque[float] = deque(maxlen=window)
+        self._margin: float | None = None  # cached until the next observation
         self.min_samples = min_samples
         self.default_margin = default_margin
         self.quantile = quantile
@@ -42,6 +44,7 @@ class PredictionErrors:
     def observe(self, predicted_s: float, actual_s: float) -> None:
         if predicted_s > 0 and math.isfinite(actual_s) and actual_s >= 0:
             self._errors.append(actual_s / predicted_s - 1.0)
+            self._margin = None
 
     def __len__(self) -> int:
         return len(self._errors)
@@ -50,10 +53,13 @@ class PredictionErrors:
         """Relative margin to add to predicted times before trusting them: the ``quantile`` of
         the under-estimates (0 if the predictor over-estimates), clamped to ``max_margin``;
         ``default_margin`` until ``min_samples`` errors are known."""
-        if len(self._errors) < self.min_samples:
-            return self.default_margin
-        high = float(np.quantile(np.fromiter(self._errors, float), self.quantile))
-        return min(self.max_margin, max(0.0, high))
+        if self._margin is None:
+            if len(self._errors) < self.min_samples:
+                self._margin = self.default_margin
+            else:
+                high = float(np.quantile(np.fromiter(self._errors, float), self.quantile))
+                self._margin = min(self.max_margin, max(0.0, high))
+        return self._margin
 
     def summary(self) -> dict[str, float | int]:
         """n, p50 and p95 of |relative error|, and the median signed error (the bias)."""
@@ -67,3 +73,23 @@ class PredictionErrors:
             "bias_p50": float(np.quantile(errors, 0.5)),
             "margin": self.margin(),
         }
+
+
+class SwitchTime:
+    """Observed preemption latencies (Preempt received -> engine stopped), and their p95: how
+    long a preemption takes to act, about one layer. 0 before the first one."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self._p95: float | None = None  # cached until the next observation
+
+    def observe(self, latency_s: float) -> None:
+        if math.isfinite(latency_s) and latency_s > 0:
+            self._samples.append(latency_s)
+            self._p95 = None
+
+    def p95(self) -> float:
+        if self._p95 is None:
+            samples = np.fromiter(self._samples, float)
+            self._p95 = float(np.quantile(samples, 0.95)) if len(samples) else 0.0
+        return self._p95

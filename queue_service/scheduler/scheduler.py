@@ -82,6 +82,10 @@ class SchedulerConfig:
     default_prediction_margin: float = 0.2
     # A wake-up is moved only when its time changes by more than this.
     timer_resolution_s: float = 0.001
+    # Progress reports update the estimate every time, but decide at most this often: on a GPU
+    # layers take a millisecond, and a decision costs about as much with 100 requests waiting.
+    # Wake-ups keep deadlines precise in between.
+    progress_decision_interval_s: float = 0.02
     # Terminal request ids remembered so that a redelivered arrival is ignored.
     remember_finished: int = 100_000
 
@@ -95,6 +99,7 @@ class SchedulerConfig:
             "decode_s_per_token",
             "default_prediction_margin",
             "timer_resolution_s",
+            "progress_decision_interval_s",
         ):
             value = getattr(self, name)
             if math.isnan(value) or value < 0:
@@ -130,6 +135,7 @@ class Scheduler:
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
+        self._decided_at = -math.inf  # when the last decision was made
         self._seq = 0
         self._worker_seq = 0
         self._counters: Counter[str] = Counter()
@@ -202,6 +208,8 @@ class Scheduler:
         req.chunk_end = ev.chunk_end if within_chunk else 0
         req.chunk_fraction = ev.layers_done / max(1, ev.num_layers) if within_chunk else 0.0
         req.progress_at_s = now
+        if now - self._decided_at < self.config.progress_decision_interval_s:
+            return []  # decided a moment ago; the estimate is fresher for the next decision
         if not any(r.waiting for r in self._requests.values()):
             return []  # nobody waits on this estimate: nothing to decide
         return self._schedule(now)
@@ -244,8 +252,7 @@ class Scheduler:
             return []  # it finished or was cancelled before the worker saw the Preempt
         worker = self._workers[ev.worker_id]
         worker.active = None
-        if ev.latency_s > 0:
-            self._estimator.switch_samples.append(ev.latency_s)
+        self._estimator.switch.observe(ev.latency_s)
         if ev.state_dropped:
             req.restart_from_scratch()
             self._counters["restarts"] += 1
@@ -300,6 +307,7 @@ class Scheduler:
     # ------------------------------------------------------------------ decisions
 
     def _schedule(self, now: float) -> list[Command]:
+        self._decided_at = now
         workers = list(self._workers.values())
         ranked = planner.rank_waiting(
             self._requests.values(), self.policy, self._estimator, self._rules, now
@@ -444,7 +452,7 @@ class Scheduler:
 
     def switch_s(self) -> float:
         """The observed p95 time for a preemption to take effect."""
-        return self._estimator.switch_s()
+        return self._estimator.switch.p95()
 
     def timers(self) -> dict[str, float]:
         """Request id -> the wake-up armed for it."""

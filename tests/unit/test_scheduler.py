@@ -594,3 +594,16 @@ def test_flowprefill_a_late_request_does_not_preempt_a_late_request_of_its_tier(
     # between two late critical requests saves neither, so c1 keeps the worker.
     event = RequestArrived("c2", "critical", 100, arrival_s=-0.1)
     assert step(sched, event, 1.5) == []
+
+
+def test_progress_reports_decide_at_most_every_interval():
+    sched = make("flowprefill", progress_decision_interval_s=0.02)
+    arrive(sched, "b", "batch", 1000, 0.0)
+    assert arrive(sched, "c", "critical", 100, 0.5) == []  # waits: b predicted to end at 1.0
+    # b reports 1 of 12 layers: ~0.92 s left, so c would miss by waiting. 5 ms after the last
+    # decision the estimate is updated but nothing is decided...
+    progress = PrefillProgress("b", "w0", 0, layers_done=1, num_layers=12, chunk_end=1000)
+    assert step(sched, progress, 0.505) == []
+    assert sched.request("b").chunk_fraction == pytest.approx(1 / 12)
+    # ...and the next report past the interval decides with it.
+    assert step(sched, progress, 0.53) == [Preempt("b", "w0", drop_state=False)]
