@@ -99,9 +99,55 @@ def render_aggregate(agg: dict, console: Console) -> None:
     console.print(table)
 
 
+def markdown(result: dict) -> str:
+    """Per-window and aggregate tables, as docs/results.md shows them."""
+    lines = []
+    for w in result["windows"]:
+        lines += [
+            f"**{w['workload']}**: {w['requests']} requests, {w['arrival_rate_per_s']:.2f}/s",
+            "",
+            "| policy | critical met | standard met | batch met | lower tiers tok/s | busy |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, p in w["policies"].items():
+            cells = [_met(p["tiers"].get(t)) for t in ("critical", "standard", "batch")]
+            lines.append(
+                f"| {name} | {' | '.join(cells)} | {p['lower_tier_completed_tok_s']:.0f} | "
+                f"{p['busy_fraction'] * 100:.0f}% |"
+            )
+        lines.append("")
+    lines += [
+        "**All windows together** (95% Wilson intervals)",
+        "",
+        "| policy | critical | standard | batch | lower tiers tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, p in result["aggregate"]["policies"].items():
+        cells = [_rate(p["tiers"].get(t)) for t in ("critical", "standard", "batch")]
+        lines.append(f"| {name} | {' | '.join(cells)} | {p['lower_tier_completed_tok_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _met(tier: dict | None) -> str:
+    if not tier:
+        return "-"
+    accepted = tier["n"] - tier["rejected"]
+    return f"{accepted - tier['slo_violations']}/{accepted}"
+
+
+def _rate(tier: dict | None) -> str:
+    if not tier:
+        return "-"
+    lo, hi = tier["ci95"]
+    return f"{tier['met']}/{tier['n']} = {tier['attainment']:.3f} ({lo:.2f}-{hi:.2f})"
+
+
 def main(cfg: PolicyBenchConfig, starts: tuple[float, ...], json_path: Path | None) -> dict:
     console = Console()
     result = run_windows(cfg, starts, console)
     render_aggregate(result["aggregate"], console)
     write_json(result, json_path, console)
+    if json_path is not None:
+        json_path.with_suffix(".md").write_text(markdown(result))
+        console.print(f"wrote {json_path.with_suffix('.md')}")
     return result
