@@ -26,24 +26,33 @@ def write_json(result: dict, path: Path | None, console: Console) -> None:
 
 
 def render_policy_tables(result: dict, console: Console) -> None:
-    table = Table(
-        title=f"tierflow bench: {result['model']} on {result['device']}, {result['workload']}, "
-        f"{result['requests']} requests"
-    )
-    for col in (
-        "policy",
-        "tier",
-        "n",
-        "done",
-        "rej",
-        "SLO ms",
-        "SLO met",
-        "p50 ms",
-        "p90 ms",
-        "p99 ms",
-        "isolated ms",
-    ):
-        table.add_column(col, justify="right" if col not in ("policy", "tier") else "left")
+    console.print(_tier_table(result))
+    console.print(_totals_table(result))
+    console.print(_rates_table(result))
+    if "goodput_req_s" in result:
+        good = Table(title="goodput: highest rate with every tier >= 90% within SLO")
+        good.add_column("policy")
+        good.add_column("req/s", justify="right")
+        for name, rate in result["goodput_req_s"].items():
+            good.add_row(name, f"{rate:.3f}")
+        console.print(good)
+
+
+def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...]) -> Table:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def _tier_table(result: dict) -> Table:
+    table = _table(
+        f"tierflow bench: {result['model']} on {result['device']}, {result['workload']}, "
+        f"{result['requests']} requests",
+        ("policy", "tier", "n", "done", "rej", "SLO ms", "SLO met", "p50 ms", "p90 ms", "p99 ms",
+         "isolated ms"),
+        ("policy", "tier"),
+    )  # fmt: skip
     for name, summary in result["policies"].items():
         for i, (tier, t) in enumerate(summary["tiers"].items()):
             q = t["ttft_ms"]
@@ -61,34 +70,19 @@ def render_policy_tables(result: dict, console: Console) -> None:
                 f"{result['isolated_ttft_ms'].get(tier, float('nan')):.0f}",
             )
         table.add_section()
-    console.print(table)
+    return table
 
-    totals = Table(title="per policy")
-    for col in (
-        "policy",
-        "engine",
-        "throughput tok/s",
-        "busy",
-        "preemptions",
-        "recomputes",
-        "preempt latency p50/p99 ms",
-        "lost",
-    ):
-        totals.add_column(col, justify="right" if col not in ("policy", "engine") else "left")
-    rates = Table(title="per policy: wall-clock throughput, predictor, scheduler cost")
-    for col in (
-        "policy",
-        "completed tok/s",
-        "lower tiers tok/s",
-        "predictor |err| p50 / p95 (n)",
-        "decide us/event",
-        "progress events",
-    ):
-        rates.add_column(col, justify="right" if col != "policy" else "left")
+
+def _totals_table(result: dict) -> Table:
+    table = _table(
+        "per policy",
+        ("policy", "engine", "throughput tok/s", "busy", "preemptions", "recomputes",
+         "preempt latency p50/p99 ms", "lost"),
+        ("policy", "engine"),
+    )  # fmt: skip
     for name, s in result["policies"].items():
         lat = s["preemption_latency_ms"]
-        err = s["prediction_error"]
-        totals.add_row(
+        table.add_row(
             name,
             f"C={s['engine']['chunk_size']}, check={s['engine']['check']}",
             f"{s['throughput_tok_s']:.0f}",
@@ -98,7 +92,19 @@ def render_policy_tables(result: dict, console: Console) -> None:
             f"{lat['p50']:.1f} / {lat['p99']:.1f}",
             str(s["lost"]),
         )
-        rates.add_row(
+    return table
+
+
+def _rates_table(result: dict) -> Table:
+    table = _table(
+        "per policy: wall-clock throughput, predictor, scheduler cost",
+        ("policy", "completed tok/s", "lower tiers tok/s", "predictor |err| p50 / p95 (n)",
+         "decide us/event", "progress events"),
+        ("policy",),
+    )  # fmt: skip
+    for name, s in result["policies"].items():
+        err = s["prediction_error"]
+        table.add_row(
             name,
             f"{s['completed_tok_s']:.0f}",
             f"{s['lower_tier_completed_tok_s']:.0f}",
@@ -106,15 +112,7 @@ def render_policy_tables(result: dict, console: Console) -> None:
             f"{s['scheduler']['decide_us_per_event']:.0f}",
             str(s["scheduler"]["progress_events"]),
         )
-    console.print(totals)
-    console.print(rates)
-    if "goodput_req_s" in result:
-        good = Table(title="goodput: highest rate with every tier >= 90% within SLO")
-        good.add_column("policy")
-        good.add_column("req/s", justify="right")
-        for name, rate in result["goodput_req_s"].items():
-            good.add_row(name, f"{rate:.3f}")
-        console.print(good)
+    return table
 
 
 def comparison_lines(result: dict) -> list[str]:

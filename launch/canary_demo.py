@@ -18,14 +18,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from bench.workload import Arrival, Workload, synthetic
-from launch.demo import DEMO_MIX, DemoConfig, DemoPrompts
+from launch.demo import DemoConfig, demo_workload
 from launch.local_stack import LocalStack, StackConfig
 from launch.stack_client import Credentials, replay
 from ops import canary
 from ops.compare import Criteria, compare, format_report
 from ops.records import LogRecord, iter_kafka
-from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import load_tiers
 
@@ -48,13 +46,7 @@ def run_canary_demo(cfg: CanaryDemoConfig) -> dict:
 
     console = Console()
     tiers = load_tiers(cfg.tiers_file)
-    prompts = DemoPrompts(load_model_info(cfg.model).tokenizer, cfg.seed)
-    workload = synthetic(DEMO_MIX, duration_s=cfg.duration_s, seed=cfg.seed)
-    by_id = {a.request_id: prompts.for_arrival(a) for a in workload.arrivals}
-    workload = Workload(workload.name, tuple(
-        Arrival(a.at_s, a.request_id, a.tier, len(by_id[a.request_id]), a.max_new_tokens)
-        for a in workload.arrivals
-    ))  # fmt: skip
+    workload, by_id, _ = demo_workload(cfg.model, cfg.duration_s, cfg.seed)
     stack_cfg = StackConfig(
         model=cfg.model, policy=cfg.old_policy, canary_policy=cfg.canary_policy,
         tiers_file=cfg.tiers_file, log_dir=cfg.out_dir / "stack",

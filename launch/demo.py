@@ -96,20 +96,28 @@ class DemoPrompts:
         return self._chat(f"Summarise this document:\n\n{self._document(arrival.prompt_tokens)}")
 
 
-def run_demo(cfg: DemoConfig) -> dict:
-    from gateway.demo_keys import DEMO_KEYS
-
-    console = Console()
-    tiers = load_tiers(cfg.tiers_file)
-    info = load_model_info(cfg.model)
-    prompts = DemoPrompts(info.tokenizer, cfg.seed)
-    workload = synthetic(DEMO_MIX, duration_s=cfg.duration_s, seed=cfg.seed)
-    # Build every prompt first (same prompts whatever the timing), within the model's context.
+def demo_workload(
+    model: str, duration_s: float, seed: int
+) -> tuple[Workload, dict[str, list[int]], DemoPrompts]:
+    """The demo's mixed arrivals, each one's prompt ids by request id, and the prompt maker
+    (its questions). Every prompt is built first (the same prompts whatever the timing),
+    within the model's context."""
+    prompts = DemoPrompts(load_model_info(model).tokenizer, seed)
+    workload = synthetic(DEMO_MIX, duration_s=duration_s, seed=seed)
     by_id = {a.request_id: prompts.for_arrival(a) for a in workload.arrivals}
     workload = Workload(workload.name, tuple(
         Arrival(a.at_s, a.request_id, a.tier, len(by_id[a.request_id]), a.max_new_tokens)
         for a in workload.arrivals
     ))  # fmt: skip
+    return workload, by_id, prompts
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    from gateway.demo_keys import DEMO_KEYS
+
+    console = Console()
+    tiers = load_tiers(cfg.tiers_file)
+    workload, by_id, prompts = demo_workload(cfg.model, cfg.duration_s, cfg.seed)
     stack_cfg = StackConfig(
         model=cfg.model, workers=cfg.workers, tiers_file=cfg.tiers_file,
         log_dir=cfg.out_dir / "stack",
