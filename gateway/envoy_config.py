@@ -80,13 +80,26 @@ def render_envoy_config(
     listener = _named(config["static_resources"]["listeners"], LISTENER, "listener")
     _set_address(listener["address"], "127.0.0.1", listen_port)
 
-    clusters = config["static_resources"]["clusters"]
-    targets = {
-        PRIMARY: queue_service,
-        CANARY: queue_service_canary or queue_service,
-        GATEWAY: gateway,
-        OPENAI_API: openai_api,
-    }
+    _point_clusters(
+        config["static_resources"]["clusters"],
+        {
+            PRIMARY: queue_service,
+            CANARY: queue_service_canary or queue_service,
+            GATEWAY: gateway,
+            OPENAI_API: openai_api,
+        },
+    )
+    hcm = _http_connection_manager(listener)
+    transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
+    transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    _set_canary_weights(routes, canary_percent)
+    _set_rate_limits(routes, rate_limits or {})
+    return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+def _point_clusters(clusters: list[dict], targets: Mapping[str, str | None]) -> None:
+    """Each named cluster at its ``host:port``; a None target leaves the cluster empty."""
     for name, target in targets.items():
         cluster = _named(clusters, name, "cluster")
         if target is None:
@@ -102,29 +115,28 @@ def render_envoy_config(
             ],
         }
 
-    hcm = _http_connection_manager(listener)
-    transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
-    transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())
 
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+def _set_canary_weights(routes: list[dict], canary_percent: int) -> None:
     for split in _weighted_splits(routes):
         for cluster in split["clusters"]:
             cluster["weight"] = (
                 canary_percent if cluster["name"] == CANARY else 100 - canary_percent
             )
 
+
+def _set_rate_limits(routes: list[dict], rate_limits: Mapping[str, tuple[int, float]]) -> None:
+    """Every route of a named tier gets a token bucket of its own with those numbers."""
     tier_routes: dict[str, list[dict]] = {}
     for route in routes:
         if RATE_LIMIT in route.get("typed_per_filter_config", {}):
             tier_routes.setdefault(_tier_of(route), []).append(route)
-    for tier, (burst, per_second) in (rate_limits or {}).items():
+    for tier, (burst, per_second) in rate_limits.items():
         if tier not in tier_routes:
             raise ValueError(f"no route for tier {tier!r}; tier routes: {sorted(tier_routes)}")
         for route in tier_routes[tier]:
             bucket = route["typed_per_filter_config"][RATE_LIMIT]["token_bucket"]
             bucket.clear()
             bucket.update(token_bucket(burst, per_second))
-    return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
 
 
 def _tier_of(route: Mapping[str, Any]) -> str:
