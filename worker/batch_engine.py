@@ -27,8 +27,17 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import BatchConfig, EngineConfig
-from worker.engine import _NO_LISTENER, EngineListener, PrefillEngine
+from worker.engine import (
+    _NO_LISTENER,
+    BetweenLayers,
+    EngineListener,
+    PrefillEngine,
+    RunOutcome,
+    RunStatus,
+)
 from worker.kv_pool import DecodeStepCache, KVPool, SlotCache
+from worker.packed_prefill import PackedPrefill, finish_pack, start_pack
+from worker.preemption import PreemptionChannel, Signal
 from worker.request import GenerationRequest, InvalidRequestError
 from worker.sampling import sample_next_token
 from worker.task import Phase, Task
@@ -94,6 +103,65 @@ class BatchEngine(PrefillEngine):
     def held_bytes(self) -> int:
         """KV memory owned by requests (all slots in use), running or not."""
         return self.pool.used_bytes
+
+    # ------------------------------------------------------------------ packed prefill
+
+    @torch.inference_mode()
+    def run_packed(
+        self,
+        pack: PackedPrefill,
+        channel: PreemptionChannel,
+        listener: EngineListener = _NO_LISTENER,
+        between_layers: BetweenLayers | None = None,
+    ) -> RunOutcome:
+        """Prefill every prompt of ``pack`` in one forward, up to each one's first token
+        (``PREFILLED``; members whose first token ends them are FINISHED), or until stopped."""
+        if pack.state is None:
+            start_pack(self, pack)
+        for task in pack.tasks:
+            self.memory.release(task.request_id)
+        state = pack.state
+        assert state is not None
+
+        def report(layers_done: int) -> None:
+            for task in pack.tasks:
+                listener.on_layers_done(task, 0, layers_done)
+
+        try:
+            h = self._run_layers(state, state.cache, channel, report, between_layers)
+            if h is None:
+                return self._stop_pack(pack, channel)
+            finish_pack(self, pack, h, listener)
+        except BaseException:
+            pack.state = None
+            for task in pack.tasks:
+                self._free(task)
+            raise
+        finally:
+            self.run_ahead.drain()
+        return RunOutcome(RunStatus.PREFILLED)
+
+    def _stop_pack(self, pack: PackedPrefill, channel: PreemptionChannel) -> RunOutcome:
+        signal = channel.signal
+        channel.clear()
+        if signal is Signal.CANCEL:
+            pack.state = None
+            for task in pack.tasks:
+                self.cancel(task)
+            return RunOutcome(RunStatus.CANCELLED)
+        for task in pack.tasks:
+            task.preemptions += 1
+        held = pack.held_bytes()
+        if signal is Signal.PREEMPT and self.memory.try_hold_all(held):
+            return RunOutcome(
+                RunStatus.PREEMPTED, resume_point=pack.resume_point(), held_bytes=sum(held.values())
+            )
+        pack.state = None
+        for task in pack.tasks:
+            self._free(task)
+            task.phase = Phase.QUEUED
+            task.recomputes += 1
+        return RunOutcome(RunStatus.PREEMPTED, resume_point=pack.resume_point(), state_dropped=True)
 
     # ------------------------------------------------------------------ the batch
 

@@ -244,6 +244,8 @@ class PrefillEngine:
                     self._emit_first_token(task, h, listener)
                 return None
             listener.on_chunk_done(task, task.chunks[state.chunk][0])
+            if between_layers is not None:  # a chunk end is a layer boundary too
+                between_layers()
             if check_chunks and channel.signal is not None:
                 return self._stop(task, channel)
         raise AssertionError("unreachable: prefill loop ended without emitting the first token")

@@ -118,8 +118,9 @@ class KVPool:
         raise PoolFullError(f"all {self.num_slots} KV slots are in use")
 
     def free(self, cache: SlotCache) -> None:
-        if self._caches[cache.slot] is cache:
+        if cache.slot >= 0 and self._caches[cache.slot] is cache:
             self._caches[cache.slot] = None
+        cache.slot = -1  # a freed cache owns nothing: a suspended pack's write to it is skipped
 
     def owner_of(self, slot: int) -> SlotCache | None:
         return self._caches[slot]
@@ -191,6 +192,8 @@ class PackedPrefillCache:
         **_: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         for i, cache in enumerate(self.caches):
+            if cache.slot < 0:  # that member was cancelled while the pack was suspended
+                continue
             lo, hi = self.offsets[i], self.offsets[i + 1]
             cache.update(key_states[:, :, lo:hi], value_states[:, :, lo:hi], layer_idx)
         return key_states, value_states
