@@ -189,13 +189,16 @@ class BatchEngine(PrefillEngine):
         self.rows[row] = self.rows[last]
         self.rows.pop()
 
-    def pause(self, task: Task) -> bool:
+    def pause(self, task: Task, *, drop_state: bool = False) -> bool:
         """Stop decoding ``task`` for now. True: its KV is kept (resume with ``join``). False:
-        over the memory cap, its state was dropped; ``prefill`` recomputes it, then ``join``."""
-        self.leave(task)
+        asked to, or over the memory cap, its state was dropped; ``prefill`` recomputes its
+        prompt and tokens so far (producing none of them again), then ``join``."""
+        if self.in_batch(task):
+            self.leave(task)
         task.preemptions += 1
-        if self.memory.try_hold(task.request_id, task.held_bytes()):
+        if not drop_state and self.memory.try_hold(task.request_id, task.held_bytes()):
             return True
+        self.memory.release(task.request_id)
         self._free(task)
         task.phase = Phase.QUEUED
         task.chunks = self.chunks_of(len(task.prefill_ids))
