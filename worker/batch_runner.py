@@ -174,9 +174,13 @@ class BatchRunner:
     def _on_pause(self, arg) -> None:
         rid, drop_state = arg
         entry = self._entries.get(rid)
-        if entry is None or entry.task.phase is not Phase.DECODE:
+        if entry is None:
             return
         task = entry.task
+        if task.phase is not Phase.DECODE:
+            if rid in self._prefills:  # queued behind a decode step: stopped before it ran
+                self._stop_queued_prefill(task, drop_state)
+            return
         if rid in self._waiting_rows:
             self._waiting_rows.remove(rid)
         kept = self.engine.pause(task, drop_state=drop_state)
@@ -184,6 +188,22 @@ class BatchRunner:
         now = time.perf_counter()
         held = task.held_bytes()
         self.emit(Preempted(rid, task.resume_point(), held, not kept, now, self._signalled_at))
+
+    def _stop_queued_prefill(self, task: Task, drop_state: bool) -> None:
+        """Acknowledge a preemption of a prefill that was waiting for the engine thread."""
+        rid = task.request_id
+        self._prefills.remove(rid)
+        task.preemptions += 1
+        if drop_state and task.state is not None:
+            self.engine.memory.release(rid)
+            self.engine._free(task)
+            task.phase = Phase.QUEUED
+            task.chunks = self.engine.chunks_of(len(task.prefill_ids))
+            task.recomputes += 1
+        now = time.perf_counter()
+        dropped = task.state is None  # nothing held: it starts from token 0 when assigned
+        held = task.held_bytes()
+        self.emit(Preempted(rid, task.resume_point(), held, dropped, now, self._signalled_at))
 
     def _on_cancel(self, rid: str) -> None:
         entry = self._entries.pop(rid, None)

@@ -135,3 +135,24 @@ def test_bad_requests_fail_clearly_and_the_runner_keeps_serving(tiny_llama):
     finally:
         runner.stop()
     assert runner.engine.pool.used_slots == 0
+
+
+def test_a_preempt_of_a_prefill_still_queued_is_acknowledged(tiny_llama):
+    """A Preempt can reach a prefill that waits behind a decode step; it must be acked, or the
+    scheduler would wait on it. The test plays the engine thread before starting it."""
+    model = tiny_llama.model
+    stream = Stream()
+    engine = BatchEngine(model, EngineConfig(chunk_size=16), BatchConfig(4, 4, 160))
+    runner = BatchRunner(engine, stream)
+    ids = prompt(20, 500, seed=1)
+    runner._on_assign((greedy("q", ids, 5), float("inf")))
+    runner._on_pause(("q", False))
+    acked = stream.events.get_nowait()
+    assert isinstance(acked, Preempted) and acked.state_dropped  # it held nothing yet
+    runner.assign(greedy("q", ids, 5))  # the scheduler's Assign after a dropped state
+    runner.start()
+    try:
+        done, seen = stream.until(Finished, "q")
+    finally:
+        runner.stop()
+    assert collect_tokens(seen)["q"] == reference(model, ids, 5)[0] == list(done.output_ids)
