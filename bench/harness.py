@@ -15,6 +15,7 @@ first-token timestamp taken on the engine thread minus that time.
 from __future__ import annotations
 
 import heapq
+import itertools
 import queue
 import time
 from collections.abc import Callable
@@ -32,8 +33,18 @@ from queue_service.scheduler import (
     RequestDone,
     Scheduler,
 )
+from worker.batch_engine import BatchEngine
+from worker.batch_runner import BatchRunner
 from worker.engine import PrefillEngine
-from worker.events import Failed, Finished, FirstToken, Preempted, Progress, RunnerEvent
+from worker.events import (
+    Failed,
+    Finished,
+    FirstToken,
+    Preempted,
+    Progress,
+    RunnerEvent,
+    TokenOut,
+)
 from worker.request import GenerationRequest
 from worker.runner import EngineRunner
 
@@ -50,10 +61,17 @@ class RequestRecord:
     recomputes: int = 0
     busy_s: float = 0.0
     first_token: int | None = None
+    token_times: list[float] = field(default_factory=list)  # every token's engine timestamp
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrived_at
+
+    @property
+    def tbt_s(self) -> list[float]:
+        """Times between consecutive tokens."""
+        times = self.token_times
+        return [b - a for a, b in itertools.pairwise(times)]
 
 
 @dataclass
@@ -72,12 +90,21 @@ class RunResult:
 class InProcessWorker:
     """A ``WorkerHandle`` over an engine runner in this process."""
 
-    def __init__(self, runner: EngineRunner, request_for: Callable[[str], GenerationRequest]):
+    def __init__(
+        self,
+        runner: EngineRunner | BatchRunner,
+        request_for: Callable[[str], GenerationRequest],
+        tbt_for: Callable[[str], float | None] = lambda request_id: None,
+    ):
         self.runner = runner
         self.request_for = request_for
+        self.tbt_for = tbt_for
 
     def assign(self, request_id: str) -> None:
-        self.runner.assign(self.request_for(request_id))
+        if isinstance(self.runner, BatchRunner):
+            self.runner.assign(self.request_for(request_id), self.tbt_for(request_id))
+        else:
+            self.runner.assign(self.request_for(request_id))
 
     def resume(self, request_id: str) -> None:
         self.runner.resume(request_id)
@@ -158,8 +185,11 @@ class _Run:
         self.dispatcher = Dispatcher(
             scheduler, self.timers, clock=self.now, on_reject=self._rejected
         )
+        self.tiers = scheduler.tiers
         self.runners = {
-            f"w{i}": EngineRunner(engine, (lambda e, w=f"w{i}": self.events.put((w, e))), f"w{i}")
+            f"w{i}": (BatchRunner if isinstance(engine, BatchEngine) else EngineRunner)(
+                engine, (lambda e, w=f"w{i}": self.events.put((w, e))), f"w{i}"
+            )
             for i, engine in enumerate(engines)
         }
 
@@ -175,6 +205,9 @@ class _Run:
             stop_at_eos=False,
         )
 
+    def tbt_slo_s(self, request_id: str) -> float | None:
+        return self.tiers[self.records[request_id].arrival.tier].tbt_slo_s
+
     def _rejected(self, reject: Reject) -> None:
         self.records[reject.request_id].rejected = reject.reason
         self.unfinished -= 1
@@ -182,7 +215,9 @@ class _Run:
     def loop(self, max_idle_s: float) -> None:
         for worker_id, runner in self.runners.items():
             runner.start()
-            self.dispatcher.worker_joined(worker_id, InProcessWorker(runner, self.request))
+            handle = InProcessWorker(runner, self.request, self.tbt_slo_s)
+            kv_slots = runner.engine.pool.num_slots if isinstance(runner, BatchRunner) else 0
+            self.dispatcher.worker_joined(worker_id, handle, kv_slots)
         while self.unfinished > 0:
             try:
                 worker_id, event = self.events.get(timeout=self._timeout(max_idle_s))
@@ -229,6 +264,9 @@ class _Run:
             case FirstToken():
                 record.first_token_at = event.at
                 record.first_token = event.token_id
+                record.token_times.append(event.at)
+            case TokenOut():
+                record.token_times.append(event.at)
             case Preempted():
                 record.preemptions += 1
                 record.recomputes += event.state_dropped
@@ -255,7 +293,7 @@ class _Run:
 
 def run_policy(
     scheduler: Scheduler,
-    engines: list[PrefillEngine],
+    engines: list[PrefillEngine],  # BatchEngine: a batched worker (BatchRunner)
     workload: Workload,
     *,
     vocab_size: int,

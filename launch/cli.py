@@ -14,6 +14,8 @@ from worker.config import EngineConfig
 
 
 def _engine_bench(args: argparse.Namespace) -> int:
+    if args.batch:
+        return _batch_bench(args)
     from bench.engine_bench import EngineBenchConfig, main
 
     overrides = {
@@ -28,6 +30,24 @@ def _engine_bench(args: argparse.Namespace) -> int:
     }
     cfg = EngineBenchConfig.quick(**overrides) if args.quick else EngineBenchConfig(**overrides)
     main(cfg, args.json, args.plot)
+    return 0
+
+
+def _batch_bench(args: argparse.Namespace) -> int:
+    from bench.batch_bench import BatchBenchConfig, main
+
+    overrides = {
+        k: v
+        for k, v in {
+            "model": args.model,
+            "device": args.device,
+            "prefill_tokens": args.prompt_tokens,
+            "prefill_chunk": args.chunk_size,
+        }.items()
+        if v is not None
+    }
+    cfg = BatchBenchConfig.quick(**overrides) if args.quick else BatchBenchConfig(**overrides)
+    main(cfg, args.json)
     return 0
 
 
@@ -202,6 +222,12 @@ def _add_engine_bench(sub) -> None:
         help=f"C for the latency comparison (default {EngineConfig.chunk_size})",
     )
     eb.add_argument("--quick", action="store_true", help="smaller prompt and fewer samples")
+    eb.add_argument(
+        "--batch",
+        action="store_true",
+        help="the batched engine instead: decode throughput per batch size, time between "
+        "tokens during a long prefill (sequential / per chunk / slotted at layers)",
+    )
     eb.add_argument("--json", type=Path, help="write the results here")
     eb.add_argument("--plot", type=Path, help="write a PNG here")
     eb.set_defaults(func=_engine_bench)

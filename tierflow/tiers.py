@@ -1,4 +1,4 @@
-"""Service tiers: their order, TTFT SLOs and whether they may be shed under overload.
+"""Service tiers: their order, TTFT and TBT SLOs and whether they may be shed under overload.
 
 The tier of a request comes from who sent it (the gateway maps API keys to tier names); this
 module only says what a tier means. The table is read from a TOML file whose format is documented
@@ -21,7 +21,7 @@ DEFAULT_TIERS_PATH = Path(__file__).resolve().parents[1] / "config" / "tiers.tom
 TIERS_FILE_ENV = "TIERFLOW_TIERS_FILE"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_KEYS = {"rank", "ttft_slo_s", "sheddable"}
+_KEYS = {"rank", "ttft_slo_s", "tbt_slo_s", "sheddable"}
 
 
 # The metadata headers of the edge contract (docs/design.md, "Contracts between the parts"):
@@ -44,6 +44,9 @@ class TierPolicy:
     rank: int  # 0 = most important
     ttft_slo_s: float
     sheddable: bool = False
+    # Time between tokens while decoding: the batched engine slots a decode step into a running
+    # prefill when waiting longer would miss it. None: no target (decode waits for prefills).
+    tbt_slo_s: float | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -58,6 +61,12 @@ class TierPolicy:
             raise ValueError(f"tier {self.name!r}: ttft_slo_s must be a number, got {slo!r}")
         if slo <= 0:
             raise ValueError(f"tier {self.name!r}: ttft_slo_s must be > 0, got {slo!r}")
+        tbt = self.tbt_slo_s
+        if tbt is not None and (
+            isinstance(tbt, bool) or not isinstance(tbt, int | float) or not math.isfinite(tbt)
+            or tbt <= 0
+        ):  # fmt: skip
+            raise ValueError(f"tier {self.name!r}: tbt_slo_s must be a number > 0, got {tbt!r}")
         if not isinstance(self.sheddable, bool):
             raise ValueError(
                 f"tier {self.name!r}: sheddable must be true or false, got {self.sheddable!r}"
@@ -138,6 +147,7 @@ class TierTable:
                         rank=body["rank"],
                         ttft_slo_s=body["ttft_slo_s"],
                         sheddable=body.get("sheddable", False),
+                        tbt_slo_s=body.get("tbt_slo_s"),
                     )
                 )
             except ValueError as exc:

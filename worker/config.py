@@ -44,6 +44,28 @@ class EngineConfig:
             raise ValueError("progress_every_layers must be >= 0")
 
 
+@dataclass(frozen=True)
+class BatchConfig:
+    """The batched engine (``worker.batch_engine``): KV pool and decode batch sizes."""
+
+    max_batch_size: int = 16  # decoding requests in one step
+    pool_slots: int = 24  # KV slots: every admitted request (prefilling, decoding, paused) owns one
+    slot_tokens: int | None = None  # tokens per slot (prompt + new); None: the model's context
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size <= 0:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.pool_slots <= 0:
+            raise ValueError(f"pool_slots must be >= 1, got {self.pool_slots}")
+        if self.max_batch_size > self.pool_slots:
+            raise ValueError(
+                f"max_batch_size ({self.max_batch_size}) cannot exceed pool_slots "
+                f"({self.pool_slots}): every decoding request owns a slot"
+            )
+        if self.slot_tokens is not None and self.slot_tokens <= 0:
+            raise ValueError(f"slot_tokens must be >= 1 (or None), got {self.slot_tokens}")
+
+
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 

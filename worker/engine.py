@@ -25,6 +25,7 @@ sliding-window attention) are respected.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,8 +43,14 @@ from worker.task import ChunkContext, ExecutionState, Phase, ResumePoint, Task
 
 class RunStatus(enum.Enum):
     PREEMPTED = "preempted"
+    PREFILLED = "prefilled"  # run(decode=False): first token out, the task waits to decode
     FINISHED = "finished"
     CANCELLED = "cancelled"
+
+
+# Called at every layer boundary of a prefill (and between halves with check="half"); the
+# batched engine slots a decode step in there when one is due. Must be cheap when nothing is.
+BetweenLayers = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -140,9 +147,14 @@ class PrefillEngine:
             )
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.vocab_size:
             raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
+        return Task(
+            request=request, chunks=self.chunks_of(n), generator=make_generator(request.sampling)
+        )
+
+    def chunks_of(self, n: int) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every prefill chunk of an n-token prefill."""
         size = self.config.chunk_size or n
-        chunks = tuple((s, min(s + size, n)) for s in range(0, n, size))
-        return Task(request=request, chunks=chunks, generator=make_generator(request.sampling))
+        return tuple((s, min(s + size, n)) for s in range(0, n, size))
 
     def cancel(self, task: Task) -> None:
         """Cancel a task that is not running (queued or suspended) and free what it holds."""
@@ -161,9 +173,14 @@ class PrefillEngine:
         task: Task,
         channel: PreemptionChannel,
         listener: EngineListener = _NO_LISTENER,
+        *,
+        decode: bool = True,
+        between_layers: BetweenLayers | None = None,
     ) -> RunOutcome:
         """Run ``task`` until it finishes or the channel stops it at a checked boundary.
 
+        With ``decode`` False the run ends after the first token (``PREFILLED``, or
+        ``FINISHED`` when that token ends the request): the batched engine decodes it.
         The engine clears the signal it acts on; callers clear stale signals before a run.
         """
         if task.phase in (Phase.FINISHED, Phase.CANCELLED):
@@ -174,10 +191,16 @@ class PrefillEngine:
                 task.state = ExecutionState(cache=self._new_cache(task.request))
                 task.phase = Phase.PREFILL
             if task.phase is Phase.PREFILL:
-                stopped = self._prefill(task, channel, listener)
+                stopped = self._prefill(task, channel, listener, between_layers)
                 if stopped is not None:
                     return stopped
-            return self._decode(task, channel, listener)
+            if decode:
+                return self._decode(task, channel, listener)
+            if self.is_done(task):
+                self._free(task)
+                task.phase = Phase.FINISHED
+                return RunOutcome(RunStatus.FINISHED)
+            return RunOutcome(RunStatus.PREFILLED)
         except BaseException:
             self._free(task)
             raise
@@ -185,68 +208,104 @@ class PrefillEngine:
             self.run_ahead.drain()
 
     def _prefill(
-        self, task: Task, channel: PreemptionChannel, listener: EngineListener
+        self,
+        task: Task,
+        channel: PreemptionChannel,
+        listener: EngineListener,
+        between_layers: BetweenLayers | None = None,
     ) -> RunOutcome | None:
         state = task.state
         assert state is not None
-        cache = state.cache
-        layers, layer_types = self.layers, self.layer_types
-        n_layers, n_chunks = len(layers), len(task.chunks)
-        check = self.config.check
-        check_layers = check in ("layer", "half")
-        split_halves = check == "half"
-        check_chunks = check != "none"
-        report_every = self.config.progress_every_layers
-        run_ahead = self.run_ahead
+        n_chunks = len(task.chunks)
+        check_chunks = self.config.check != "none"
         while state.chunk < n_chunks:
             if state.context is None:
                 start, end = task.chunks[state.chunk]
-                ids = torch.tensor([task.request.prompt_ids[start:end]], device=self.device)
+                ids = torch.tensor([task.prefill_ids[start:end]], device=self.device)
                 state.hidden = self.embed(ids)
                 state.context = self._chunk_context(start, end, state.hidden)
-            ctx = state.context
-            h = state.hidden
-            layer_idx = state.layer
-            # The hot loop: one call per operator, then one attribute read per boundary.
-            while layer_idx < n_layers:
-                layer = layers[layer_idx]
-                mask = ctx.masks[layer_types[layer_idx]]
-                if split_halves:
-                    if state.half == 0:
-                        h = self._attention_half(layer, h, mask, ctx, cache)
-                        if channel.signal is not None:
-                            state.hidden, state.layer, state.half = h, layer_idx, 1
-                            return self._stop(task, channel)
-                    h = self._mlp_half(layer, h)
-                    state.half = 0
-                else:
-                    h = layer(
-                        h,
-                        attention_mask=mask,
-                        position_ids=ctx.position_ids,
-                        cache=cache,
-                        use_cache=True,
-                        position_embeddings=ctx.rotary,
-                    )
-                layer_idx += 1
-                run_ahead.layer_done()
-                if report_every and layer_idx % report_every == 0 and layer_idx < n_layers:
-                    listener.on_layers_done(task, state.chunk, layer_idx)
-                if check_layers and layer_idx < n_layers and channel.signal is not None:
-                    state.hidden, state.layer = h, layer_idx
-                    return self._stop(task, channel)
+            chunk = state.chunk
+
+            def report(layers_done: int, chunk: int = chunk) -> None:
+                listener.on_layers_done(task, chunk, layers_done)
+
+            h = self._run_layers(state, state.cache, channel, report, between_layers)
+            if h is None:
+                return self._stop(task, channel)
             # Chunk complete: every layer holds its K/V.
             state.chunk += 1
             state.layer = 0
             state.context = None
             state.hidden = None
             if state.chunk == n_chunks:
-                self._emit_first_token(task, h, listener)
+                if task.output_ids:  # a decoding request recomputed: its next input is known
+                    task.phase = Phase.DECODE
+                else:
+                    self._emit_first_token(task, h, listener)
                 return None
             listener.on_chunk_done(task, task.chunks[state.chunk][0])
+            if between_layers is not None:  # a chunk end is a layer boundary too
+                between_layers()
             if check_chunks and channel.signal is not None:
                 return self._stop(task, channel)
         raise AssertionError("unreachable: prefill loop ended without emitting the first token")
+
+    def _run_layers(
+        self,
+        state: ExecutionState,
+        cache,
+        channel: PreemptionChannel,
+        report: Callable[[int], None],
+        between_layers: BetweenLayers | None,
+    ) -> torch.Tensor | None:
+        """Run the current chunk (``state.hidden``, ``state.context``) from ``state.layer`` to
+        the last layer. Returns the last layer's output, or None when the channel stopped it at
+        a checked boundary (``state`` then says where it stands). ``between_layers`` runs at
+        every boundary (a decode step slotted in, when one is due)."""
+        ctx = state.context
+        h = state.hidden
+        layers, layer_types = self.layers, self.layer_types
+        n_layers = len(layers)
+        check = self.config.check
+        check_layers = check in ("layer", "half")
+        split_halves = check == "half"
+        report_every = self.config.progress_every_layers
+        run_ahead = self.run_ahead
+        layer_idx = state.layer
+        # The hot loop: one call per operator, then one attribute read per boundary.
+        while layer_idx < n_layers:
+            layer = layers[layer_idx]
+            mask = ctx.masks[layer_types[layer_idx]]
+            if split_halves:
+                if state.half == 0:
+                    h = self._attention_half(layer, h, mask, ctx, cache)
+                    if between_layers is not None:
+                        between_layers()
+                    if channel.signal is not None:
+                        state.hidden, state.layer, state.half = h, layer_idx, 1
+                        return None
+                h = self._mlp_half(layer, h)
+                state.half = 0
+            else:
+                h = layer(
+                    h,
+                    attention_mask=mask,
+                    position_ids=ctx.position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=ctx.rotary,
+                )
+            layer_idx += 1
+            run_ahead.layer_done()
+            if layer_idx < n_layers:
+                if report_every and layer_idx % report_every == 0:
+                    report(layer_idx)
+                if between_layers is not None:
+                    between_layers()
+                if check_layers and channel.signal is not None:
+                    state.hidden, state.layer = h, layer_idx
+                    return None
+        return h
 
     def _decode(
         self, task: Task, channel: PreemptionChannel, listener: EngineListener
@@ -255,10 +314,8 @@ class PrefillEngine:
         assert state is not None
         request = task.request
         checks = self.config.check != "none"
-        while len(task.output_ids) < request.max_new_tokens:
+        while not self.is_done(task):
             last = task.output_ids[-1]
-            if request.stop_at_eos and last in self.eos_ids:
-                break
             if checks and channel.signal is not None:
                 return self._stop(task, channel)
             position = task.prompt_len + len(task.output_ids) - 1
@@ -280,6 +337,13 @@ class PrefillEngine:
         self._free(task)
         task.phase = Phase.FINISHED
         return RunOutcome(RunStatus.FINISHED)
+
+    def is_done(self, task: Task) -> bool:
+        """The task has all its tokens, or its last one is an end-of-sequence it stops at."""
+        request = task.request
+        if len(task.output_ids) >= request.max_new_tokens:
+            return True
+        return bool(task.output_ids) and request.stop_at_eos and task.output_ids[-1] in self.eos_ids
 
     # ------------------------------------------------------------------ operators
 

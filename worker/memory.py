@@ -25,5 +25,12 @@ class SuspendedMemory:
         self._held[task_id] = nbytes
         return True
 
+    def try_hold_all(self, held: dict[str, int]) -> bool:
+        """Register several tasks' bytes together (a packed prefill), or none of them."""
+        if self.total_bytes + sum(held.values()) > self.cap_bytes:
+            return False
+        self._held.update(held)
+        return True
+
     def release(self, task_id: str) -> None:
         self._held.pop(task_id, None)

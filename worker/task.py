@@ -95,6 +95,14 @@ class Task:
         return len(self.request.prompt_ids)
 
     @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """The tokens a prefill puts in the cache: the prompt, plus, for a decoding request
+        whose state was dropped, every token it produced but the last (the next decode input)."""
+        if len(self.output_ids) <= 1:
+            return self.request.prompt_ids
+        return self.request.prompt_ids + tuple(self.output_ids[:-1])
+
+    @property
     def tokens_done(self) -> int:
         """Prompt tokens that have been through every layer."""
         if self.phase in (Phase.DECODE, Phase.FINISHED):

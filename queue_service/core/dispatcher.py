@@ -105,9 +105,10 @@ class Dispatcher:
         self.stats.events += 1
         self.apply(commands)
 
-    def worker_joined(self, worker_id: str, handle: WorkerHandle) -> None:
+    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int = 0) -> None:
+        """``kv_slots`` > 0: a batched worker (its decode batch does not hold its prefill)."""
         self.handles[worker_id] = handle
-        self.handle(WorkerJoined(worker_id))
+        self.handle(WorkerJoined(worker_id, kv_slots))
 
     def worker_left(self, worker_id: str) -> None:
         """The worker and every state it held are gone; its requests are placed again."""

@@ -100,7 +100,10 @@ class TimerFired:
 
 @dataclass(frozen=True)
 class WorkerJoined:
+    """``kv_slots`` > 0: a batched worker with that many KV slots (0: one request at a time)."""
+
     worker_id: str
+    kv_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,9 @@ class Assign:
 
 @dataclass(frozen=True)
 class Preempt:
-    """Stop the request at the engine's next checked boundary; drop its state if asked."""
+    """Stop the request at the engine's next checked boundary; drop its state if asked. On a
+    batched worker, a decoding request is paused between decode steps (acknowledged with
+    PreemptionAcked like a prefill); Resume puts it back in the batch."""
 
     request_id: str
     worker_id: str

@@ -104,7 +104,10 @@ def place_on_free_workers(
                 continue  # its worker is busy: it waits for that one
         else:
             # Keep workers that hold suspended states free for their own requests if possible.
-            worker = min(left, key=lambda w: (len(w.suspended), w.seq))
+            usable = [w for w in left if w.has_kv_slot]
+            if not usable:
+                continue
+            worker = min(usable, key=lambda w: (len(w.suspended), w.seq))
         placed.append((req, worker))
         left.remove(worker)
     return placed
@@ -141,10 +144,13 @@ def choose_preemptions(
             busy = estimator.busy_left(heir, now) if heir is not None and heir.waiting else 0.0
             free_at[worker.worker_id] = now + busy
         else:
-            free_at[worker.worker_id] = now + estimator.busy_left(active, now)
+            # A batched worker's prefill frees when the first token is out; decode is batched.
+            left = estimator.prefill_left if worker.batched else estimator.busy_left
+            free_at[worker.worker_id] = now + left(active, now)
             if rules.preemptible(active, now):
                 victims[worker.worker_id] = active
     seq = {w.worker_id: w.seq for w in workers}
+    batched = {w.worker_id: w.batched for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
 
     chosen: list[tuple[Request, Request]] = []
@@ -159,7 +165,7 @@ def choose_preemptions(
         else:
             target = min(free_at, key=lambda wid: (free_at[wid], seq[wid]))
         start = free_at[target]
-        busy = estimator.busy_left(req, now)
+        busy = (estimator.prefill_left if batched[target] else estimator.busy_left)(req, now)
         victim = None
         if not rules.aged(req, now):
             # Aged requests go first when a worker frees, but do not preempt: that keeps an

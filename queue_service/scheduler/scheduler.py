@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from queue_service.scheduler import planner
+from queue_service.scheduler import decode_batch, planner
 from queue_service.scheduler.events import (
     Assign,
     Cancel,
@@ -210,8 +210,9 @@ class Scheduler:
         req.progress_at_s = now
         if now - self._decided_at < self.config.progress_decision_interval_s:
             return []  # decided a moment ago; the estimate is fresher for the next decision
-        if not any(r.waiting for r in self._requests.values()):
-            return []  # nobody waits on this estimate: nothing to decide
+        decoders = any(w.decoding for w in self._workers.values())
+        if not decoders and not any(r.waiting for r in self._requests.values()):
+            return []  # nobody waits or decodes beside it: nothing to decide
         return self._schedule(now)
 
     def _on_prefill_finished(self, ev: PrefillFinished, now: float) -> list[Command]:
@@ -226,6 +227,10 @@ class Scheduler:
             # A PREEMPTING one stays so: the engine also stops decode at its next check.
             req.state = RequestState.DECODING
             req.progress_at_s = now
+            worker = self._workers[ev.worker_id]
+            if worker.batched:  # it joins the batch: the worker may prefill the next one
+                worker.active = None
+                worker.decoding[req.request_id] = None
         if req.predicted_prefill_s is not None and not req.restarted:
             # Out of sample: the prediction was made before this run refits the predictor.
             self.prediction_errors.observe(req.predicted_prefill_s, ev.prefill_s)
@@ -241,6 +246,7 @@ class Scheduler:
         worker = self._workers.get(ev.worker_id)
         if worker is not None:
             worker.suspended.pop(req.request_id, None)
+            worker.decoding.pop(req.request_id, None)
             if worker.active == req.request_id:
                 worker.active = None
         self._finish(req, RequestState.DONE)
@@ -251,7 +257,9 @@ class Scheduler:
         if req is None or req.state is not RequestState.PREEMPTING:
             return []  # it finished or was cancelled before the worker saw the Preempt
         worker = self._workers[ev.worker_id]
-        worker.active = None
+        if worker.active == req.request_id:  # a paused decode never held the prefill
+            worker.active = None
+        worker.decoding.pop(req.request_id, None)
         self._estimator.switch.observe(ev.latency_s)
         if ev.state_dropped:
             req.restart_from_scratch()
@@ -272,6 +280,7 @@ class Scheduler:
             worker = self._workers[req.worker_id]
             commands.append(Cancel(req.request_id, worker.worker_id))
             worker.suspended.pop(req.request_id, None)
+            worker.decoding.pop(req.request_id, None)
             if worker.active == req.request_id:
                 worker.active = None
         self._finish(req, RequestState.CANCELLED)
@@ -290,7 +299,9 @@ class Scheduler:
         if ev.worker_id in self._workers:
             return []
         self._worker_seq += 1
-        self._workers[ev.worker_id] = WorkerSlot(ev.worker_id, self._worker_seq)
+        self._workers[ev.worker_id] = WorkerSlot(
+            ev.worker_id, self._worker_seq, kv_slots=max(0, ev.kv_slots)
+        )
         return self._schedule(now)
 
     def _on_worker_left(self, ev: WorkerLeft, now: float) -> list[Command]:
@@ -298,7 +309,7 @@ class Scheduler:
         if worker is None:
             return []
         # Its states are gone with it: everything it held starts again, elsewhere.
-        held = [*([worker.active] if worker.active else []), *worker.suspended]
+        held = [*([worker.active] if worker.active else []), *worker.suspended, *worker.decoding]
         for rid in held:
             self._requests[rid].restart_from_scratch()
             self._counters["restarts"] += 1
@@ -309,14 +320,20 @@ class Scheduler:
     def _schedule(self, now: float) -> list[Command]:
         self._decided_at = now
         workers = list(self._workers.values())
+        commands: list[Command] = [
+            self._resume_decode(req, worker, now)
+            for req, worker in decode_batch.decode_resumes(
+                workers, self._requests, self._estimator, now
+            )
+        ]
         ranked = planner.rank_waiting(
-            self._requests.values(), self.policy, self._estimator, self._rules, now
+            self._waiting_prefills(), self.policy, self._estimator, self._rules, now
         )
         placements = planner.place_on_free_workers(ranked, workers)
         for worker in workers:
             if worker.free:
                 worker.reserved_for = None  # the preemption it was marked for is over
-        commands: list[Command] = [self._start(req, worker, now) for req, worker in placements]
+        commands += [self._start(req, worker, now) for req, worker in placements]
         if self.policy.preempts:
             placed = {req.request_id for req, _ in placements}
             still_waiting = [r for r in ranked if r.request_id not in placed]
@@ -330,12 +347,54 @@ class Scheduler:
                 now,
             ):
                 commands.append(self._preempt(victim, beneficiary))
-        return commands + self._reconcile_timers(now)
+        return commands + self._decode_pressure(ranked, workers, now) + self._reconcile_timers(now)
+
+    def _waiting_prefills(self) -> list[Request]:
+        """Every live request but the paused decodes of batched workers: those need no prefill
+        and are resumed by ``decode_batch.decode_resumes``."""
+        return [r for r in self._requests.values() if not self._paused_decode(r)]
+
+    def _paused_decode(self, req: Request) -> bool:
+        if not (req.prefilled and req.state is RequestState.SUSPENDED):
+            return False
+        worker = self._workers.get(req.worker_id) if req.worker_id else None
+        return worker is not None and worker.batched
+
+    def _decode_pressure(self, ranked, workers, now: float) -> list[Command]:
+        still_waiting = [r for r in ranked if r.waiting]
+        pauses = [
+            self._pause_decode(victim, self.policy.drop_state)
+            for victim in decode_batch.decode_pauses(
+                workers, self._requests, self.policy, self._estimator, self._rules, now
+            )
+        ]
+        drops = [
+            self._pause_decode(victim, True)
+            for victim in decode_batch.slot_evictions(
+                still_waiting, workers, self._requests, self.policy, self._rules, now
+            )
+        ]
+        return pauses + drops
+
+    def _pause_decode(self, victim: Request, drop_state: bool) -> Command:
+        assert victim.worker_id is not None
+        victim.state = RequestState.PREEMPTING
+        victim.preemptions += 1
+        self._counters["decode_drops" if drop_state else "decode_pauses"] += 1
+        return Preempt(victim.request_id, victim.worker_id, drop_state=drop_state)
+
+    def _resume_decode(self, req: Request, worker: WorkerSlot, now: float) -> Command:
+        del worker.suspended[req.request_id]
+        worker.decoding[req.request_id] = None
+        req.state = RequestState.DECODING
+        req.progress_at_s = now
+        self._counters["decode_resumes"] += 1
+        return Resume(req.request_id, worker.worker_id)
 
     def _reconcile_timers(self, now: float) -> list[Command]:
         """Arm, move or disarm wake-ups so that exactly the waiting requests that wait on a
         prediction have one, at the policy's latest start."""
-        waiting = (r for r in self._requests.values() if r.waiting)
+        waiting = (r for r in self._waiting_prefills() if r.waiting)
         wanted = planner.wakeups(waiting, self.policy, self._estimator, now)
         commands: list[Command] = []
         for rid in [r for r in self._timers if r not in wanted]:

@@ -71,3 +71,23 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
     assert len(ns) == 1  # every policy saw the same requests
     assert set(result["isolated_ttft_ms"]) <= {"critical", "standard", "batch"}
     assert png.stat().st_size > 10_000
+
+
+def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
+    out = tmp_path / "batch.json"
+    args = ["engine-bench", "--batch", "--model", "tiny-llama", "--quick"]
+    assert main([*args, "--prompt-tokens", "600", "--chunk-size", "300", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {
+        "model", "max_layer_ms", "decode_step_ms", "decode", "tbt_during_prefill_ms",
+        "prefill_slowdown",
+    }  # fmt: skip
+    assert result["model"] == "tiny-llama"
+    assert set(result["decode"]) == {"1", "4", "16", "32"}
+    for row in result["decode"].values():
+        assert set(row) == {"tok_s", "raw_tok_s"} and row["tok_s"] > 0 and row["raw_tok_s"] > 0
+    assert set(result["tbt_during_prefill_ms"]) == {"sequential", "chunk", "layer"}
+    for row in result["tbt_during_prefill_ms"].values():
+        assert set(row) == {"p50", "p99"} and 0 < row["p50"] <= row["p99"]
+    assert set(result["prefill_slowdown"]) == {"chunk", "layer"}
+    assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0

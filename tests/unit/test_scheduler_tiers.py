@@ -13,6 +13,16 @@ def test_default_file_defines_the_three_tiers_in_rank_order():
     assert [t.rank for t in tiers] == [0, 1, 2]
     assert not tiers["critical"].sheddable and tiers["batch"].sheddable
     assert tiers["critical"].ttft_slo_s < tiers["standard"].ttft_slo_s < tiers["batch"].ttft_slo_s
+    assert tiers["critical"].tbt_slo_s < tiers["standard"].tbt_slo_s < tiers["batch"].tbt_slo_s
+
+
+def test_tbt_slo_is_optional():
+    tiers = loads_tiers("[tiers.a]\nrank = 0\nttft_slo_s = 1\n")
+    assert tiers["a"].tbt_slo_s is None
+    assert (
+        loads_tiers("[tiers.a]\nrank = 0\nttft_slo_s = 1\ntbt_slo_s = 0.25\n")["a"].tbt_slo_s
+        == 0.25
+    )
 
 
 def test_unknown_tier_is_a_clear_value_error():
@@ -44,6 +54,8 @@ def test_other_sections_are_ignored_and_file_is_chosen_by_env(tmp_path, monkeypa
             "share rank",
         ),
         ("[tiers.a]\nrank = 0\nttft_slo_s = 0\n", "must be > 0"),
+        ("[tiers.a]\nrank = 0\nttft_slo_s = 1\ntbt_slo_s = 0\n", "tbt_slo_s must be"),
+        ("[tiers.a]\nrank = 0\nttft_slo_s = 1\ntbt_slo_s = true\n", "tbt_slo_s must be"),
         ("[tiers.a]\nrank = -1\nttft_slo_s = 1\n", "rank"),
         ("[tiers.A]\nrank = 0\nttft_slo_s = 1\n", "lower-case"),
         ("[other]\nx = 1\n", "no \\[tiers"),

@@ -1,0 +1,112 @@
+"""Tier-aware decode on batched workers: which decoding requests to pause, drop or resume.
+
+A batched worker prefills one request while the others decode in its batch; decode steps are
+slotted into the prefill whenever a row would miss its TBT target, so every decoding row slows
+the prefill a little. Two pressures, handled with the same limits as prefill preemption (the
+policy must preempt; anti-thrash bound and aging via ``Rules.preemptible``):
+
+- a prefill at risk of missing its TTFT deadline pauses the decode of every lower tier on its
+  worker (their KV stays; the policy's ``drop_state`` decides, as for prefills); they resume
+  when no higher-tier prefill at risk is left there;
+- a waiting request that finds a worker's prefill free but all its KV slots held drops the
+  state of one decoding request of a lower tier there (the lowest tier, then the newest), which
+  recomputes later without sending any token twice.
+
+Pure functions over the scheduler's records; the scheduler turns their answers into commands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from queue_service.scheduler.planner import Estimator, Rules
+from queue_service.scheduler.policies import SchedulingPolicy
+from queue_service.scheduler.request import Request, RequestState, WorkerSlot
+
+
+def at_risk(prefill: Request, estimator: Estimator, now: float) -> bool:
+    """Its predicted first token (with the prediction-error margin) is past its deadline."""
+    left = estimator.prefill_left(prefill, now) * (1.0 + estimator.errors.margin())
+    return now + left > prefill.deadline_s
+
+
+def _risky_rank(worker: WorkerSlot, requests: Mapping[str, Request], estimator, now) -> int:
+    """The tier rank of the worker's prefill if it is at risk; lower-ranked decode yields."""
+    active = requests.get(worker.active) if worker.active else None
+    if active is None or active.state is not RequestState.RUNNING:
+        return 1 << 30
+    return active.tier.rank if at_risk(active, estimator, now) else 1 << 30
+
+
+def decode_pauses(
+    workers: Sequence[WorkerSlot],
+    requests: Mapping[str, Request],
+    policy: SchedulingPolicy,
+    estimator: Estimator,
+    rules: Rules,
+    now: float,
+) -> list[Request]:
+    """Decoding requests to pause because a higher tier's prefill on their worker is at risk."""
+    if not policy.preempts:
+        return []
+    pauses = []
+    for worker in workers:
+        if not worker.batched:
+            continue
+        rank = _risky_rank(worker, requests, estimator, now)
+        for rid in worker.decoding:
+            req = requests[rid]
+            preemptible = req.state is RequestState.DECODING and rules.preemptible(req, now)
+            if preemptible and req.tier.rank > rank:
+                pauses.append(req)
+    return pauses
+
+
+def decode_resumes(
+    workers: Sequence[WorkerSlot],
+    requests: Mapping[str, Request],
+    estimator: Estimator,
+    now: float,
+) -> list[tuple[Request, WorkerSlot]]:
+    """Paused decodes whose worker no longer runs a higher tier's prefill at risk."""
+    resumes = []
+    for worker in workers:
+        if not worker.batched:
+            continue
+        rank = _risky_rank(worker, requests, estimator, now)
+        for rid in worker.suspended:
+            req = requests[rid]
+            if req.prefilled and req.tier.rank <= rank:
+                resumes.append((req, worker))
+    return resumes
+
+
+def slot_evictions(
+    waiting: Iterable[Request],
+    workers: Sequence[WorkerSlot],
+    requests: Mapping[str, Request],
+    policy: SchedulingPolicy,
+    rules: Rules,
+    now: float,
+) -> list[Request]:
+    """For the best waiting new request that a worker could prefill now but for its full KV
+    slots: one decoding request of a lower tier there, whose state is dropped."""
+    if not policy.preempts:
+        return []
+    blocked = [w for w in workers if w.batched and w.free and not w.has_kv_slot]
+    if not blocked:
+        return []
+    req = next((r for r in waiting if r.state is RequestState.QUEUED), None)
+    if req is None:
+        return []
+    candidates = [
+        requests[rid]
+        for worker in blocked
+        for rid in worker.decoding
+        if requests[rid].state is RequestState.DECODING
+        and requests[rid].tier.rank > req.tier.rank
+        and rules.preemptible(requests[rid], now)
+    ]
+    if not candidates:
+        return []
+    return [max(candidates, key=lambda r: (r.tier.rank, r.seq))]

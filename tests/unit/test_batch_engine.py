@@ -1,0 +1,240 @@
+"""The batched engine against the model's own forward pass and generate(), request by request.
+
+Every decode step is one forward over the whole batch; each row's tokens and logits must be
+what the model gives that request alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from worker.batch_engine import BatchEngine, BatchFullError
+from worker.config import BatchConfig
+from worker.engine import EngineConfig, RunStatus
+from worker.kv_pool import PoolFullError
+from worker.preemption import PreemptionChannel
+from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
+from worker.task import Phase
+
+TOL = 1e-4
+
+
+class Streams:
+    """Per request: every token the engine emitted, in order, with its logits."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def on_chunk_done(self, task, tokens_done):
+        pass
+
+    def on_layers_done(self, task, chunk, layers_done):
+        pass
+
+    def on_first_token(self, task, token_id, logits):
+        self.tokens[task.request_id].append(token_id)
+        self.logits[task.request_id].append(logits.clone())
+
+    def on_token(self, task, token_id):
+        self.tokens[task.request_id].append(token_id)
+
+    def record_step(self, result) -> None:
+        for task, row_logits in zip(result.tasks, result.logits, strict=True):
+            self.logits[task.request_id].append(row_logits.clone())
+
+
+class StopAfterLayers:
+    """Raises the channel's preempt signal after the n-th decoder-layer call."""
+
+    def __init__(self, model, channel, n: int) -> None:
+        self.channel, self.n, self.calls = channel, n, 0
+        self.handles = [layer.register_forward_hook(self._hook) for layer in model.model.layers]
+
+    def _hook(self, module, args, output):
+        self.calls += 1
+        if self.calls == self.n:
+            self.channel.preempt()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, vocab, (n,), generator=g).tolist())
+
+
+def reference(model, ids, new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """generate()'s greedy tokens and the model's logits for each of them (one forward)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )[0]  # fmt: skip
+        logits = model(out[None, :-1]).logits[0, len(ids) - 1 :]
+    return out[len(ids) :].tolist(), logits
+
+
+def make_engine(model, *, slots=10, batch=8, chunk=16, cap=4 << 30) -> BatchEngine:
+    return BatchEngine(
+        model,
+        EngineConfig(chunk_size=chunk, check="layer", memory_cap_bytes=cap),
+        BatchConfig(max_batch_size=batch, pool_slots=slots, slot_tokens=128),
+    )
+
+
+def greedy(name: str, ids, new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(name, ids, max_new_tokens=new_tokens, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_eight_requests_joining_at_different_steps_match_generate(request, model_fixture):
+    model = request.getfixturevalue(model_fixture).model
+    vocab = model.config.vocab_size
+    lengths = [5, 37, 18, 61, 9, 44, 26, 70]
+    new_tokens = [9, 6, 12, 8, 10, 7, 11, 9]
+    join_at = [0, 0, 1, 2, 4, 4, 6, 7]  # decode step before which each one is prefilled
+    prompts = {f"r{i}": prompt(n, vocab, seed=i) for i, n in enumerate(lengths)}
+    engine = make_engine(model)
+    channel, streams = PreemptionChannel(), Streams()
+    tasks = {
+        name: engine.new_task(greedy(name, ids, new_tokens[i]))
+        for i, (name, ids) in enumerate(prompts.items())
+    }
+    # r3 (61 tokens, 4 chunks) is preempted in its second chunk, stays suspended for two
+    # decode steps of the others, then resumes where it stopped.
+    trigger = StopAfterLayers(model, channel, len(engine.layers) + 1)
+    try:
+        outcome = engine.prefill(tasks["r3"], channel, streams)
+    finally:
+        trigger.remove()
+    assert outcome.status is RunStatus.PREEMPTED and outcome.resume_point.layer == 1
+    step = 0
+    while step == 0 or engine.rows:
+        for i, name in enumerate(tasks):
+            if join_at[i] == step:
+                assert engine.prefill(tasks[name], channel, streams).status is RunStatus.PREFILLED
+                engine.join(tasks[name])
+        streams.record_step(engine.decode_step(streams))
+        step += 1
+    for i, (name, ids) in enumerate(prompts.items()):
+        tokens, logits = reference(model, ids, new_tokens[i])
+        assert streams.tokens[name] == tokens == tasks[name].output_ids, name
+        torch.testing.assert_close(torch.stack(streams.logits[name]), logits, atol=TOL, rtol=0)
+        assert tasks[name].phase is Phase.FINISHED and tasks[name].state is None
+    assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
+
+
+def test_rows_sample_with_their_own_seed(tiny_llama):
+    """A sampled request gives the same tokens alone as inside a batch of others."""
+    model = tiny_llama.model
+    params = SamplingParams(temperature=1.3, top_p=0.9, seed=7)
+
+    def run(others: int) -> list[int]:
+        engine = make_engine(model)
+        channel = PreemptionChannel()
+        names = ["s"] + [f"o{i}" for i in range(others)]
+        tasks = []
+        for i, name in enumerate(names):
+            sampling = params if name == "s" else SamplingParams(temperature=1.0, seed=100 + i)
+            req = GenerationRequest(name, prompt(12 + 7 * i, 500, seed=i), 10, sampling, False)
+            tasks.append(engine.new_task(req))
+            engine.prefill(tasks[-1], channel)
+            engine.join(tasks[-1])
+        while engine.rows:
+            engine.decode_step()
+        return tasks[0].output_ids
+
+    assert run(0) == run(5)
+
+
+def test_pause_and_resume_stream_each_token_once(tiny_qwen2):
+    model = tiny_qwen2.model
+    engine = make_engine(model)
+    channel, streams = PreemptionChannel(), Streams()
+    ids = {n: prompt(20 + 9 * i, 500, seed=30 + i) for i, n in enumerate("abc")}
+    tasks = {n: engine.new_task(greedy(n, p, 10)) for n, p in ids.items()}
+    for task in tasks.values():
+        engine.prefill(task, channel, streams)
+        engine.join(task)
+    engine.decode_step(streams)
+    assert engine.pause(tasks["b"])  # kept: counted as paused memory
+    assert engine.suspended_bytes == tasks["b"].held_bytes() > 0
+    for _ in range(3):
+        engine.decode_step(streams)
+    engine.join(tasks["b"])
+    assert engine.suspended_bytes == 0
+    while engine.rows:
+        engine.decode_step(streams)
+    for name, p in ids.items():
+        assert streams.tokens[name] == reference(model, p, 10)[0], name
+
+
+def test_paused_decode_past_the_cap_recomputes_without_repeating_tokens(tiny_llama):
+    model = tiny_llama.model
+    engine = make_engine(model, cap=1)
+    channel, streams = PreemptionChannel(), Streams()
+    ids = prompt(33, 500, seed=4)
+    task = engine.new_task(greedy("d", ids, 12))
+    engine.prefill(task, channel, streams)
+    engine.join(task)
+    for _ in range(4):
+        engine.decode_step(streams)
+    assert not engine.pause(task)  # over the cap: dropped
+    assert task.state is None and task.phase is Phase.QUEUED and engine.pool.used_slots == 0
+    assert engine.prefill(task, channel, streams).status is RunStatus.PREFILLED  # recompute
+    engine.join(task)
+    while engine.rows:
+        engine.decode_step(streams)
+    assert streams.tokens["d"] == reference(model, ids, 12)[0]
+
+
+def test_memory_is_freed_on_finish_and_cancel(tiny_llama):
+    model = tiny_llama.model
+    engine = make_engine(model, slots=4, batch=4)
+    channel = PreemptionChannel()
+    tasks = [engine.new_task(greedy(f"m{i}", prompt(15 + i, 500, seed=i), 5)) for i in range(4)]
+    for task in tasks[:3]:
+        engine.prefill(task, channel)
+        engine.join(task)
+    channel.preempt()
+    assert engine.prefill(tasks[3], channel).status is RunStatus.PREEMPTED  # suspended
+    assert engine.pool.used_slots == 4 and engine.held_bytes == 4 * engine.pool.slot_bytes
+    engine.decode_step()
+    engine.cancel(tasks[1])  # decoding
+    engine.cancel(tasks[3])  # suspended prefill
+    assert engine.pool.used_slots == 2 and engine.suspended_bytes == 0
+    while engine.rows:
+        engine.decode_step()
+    assert engine.pool.used_slots == 0 and engine.held_bytes == 0
+
+
+def test_pool_and_batch_limits_are_clear_errors_and_the_engine_keeps_serving(tiny_llama):
+    model = tiny_llama.model
+    for bad in (dict(max_batch_size=0), dict(pool_slots=0), dict(max_batch_size=5, pool_slots=4)):
+        with pytest.raises(ValueError, match=r"max_batch_size|pool_slots"):
+            BatchConfig(**bad)
+    engine = make_engine(model, slots=2, batch=1)
+    with pytest.raises(InvalidRequestError, match="larger than a KV slot"):
+        engine.new_task(greedy("big", prompt(120, 500, seed=1), 20))
+    channel = PreemptionChannel()
+    a, b, c = (engine.new_task(greedy(n, prompt(10, 500, seed=i), 4)) for i, n in enumerate("abc"))
+    engine.prefill(a, channel)
+    engine.prefill(b, channel)
+    with pytest.raises(PoolFullError):
+        engine.prefill(c, channel)
+    assert c.state is None and engine.pool.used_slots == 2
+    engine.join(a)
+    with pytest.raises(BatchFullError):
+        engine.join(b)
+    while engine.rows:
+        engine.decode_step()
+    engine.join(b)
+    engine.prefill(c, channel)  # a's slot is free again
+    engine.decode_step()
+    assert b.output_ids and c.phase is Phase.DECODE

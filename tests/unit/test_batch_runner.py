@@ -1,0 +1,158 @@
+"""BatchRunner: the batched engine on its thread, driven from another thread."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from tests.unit.test_batch_engine import prompt, reference
+from worker.batch_engine import BatchEngine
+from worker.batch_runner import BatchRunner
+from worker.config import BatchConfig, EngineConfig
+from worker.events import Failed, Finished, FirstToken, Preempted, TokenOut
+from worker.request import GenerationRequest
+
+
+class Stream:
+    """Collects events; can pause a request from the engine thread after its n-th token."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.pause_after: tuple[str, int, bool] | None = None
+        self.runner: BatchRunner | None = None
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, event) -> None:
+        self.events.put(event)
+        if isinstance(event, FirstToken | TokenOut):
+            n = self.counts[event.request_id] = self.counts.get(event.request_id, 0) + 1
+            if self.pause_after and self.pause_after[:2] == (event.request_id, n):
+                self.runner.preempt(event.request_id, drop_state=self.pause_after[2])
+
+    def until(self, kind, request_id: str | None = None):
+        seen = []
+        while True:
+            event = self.events.get(timeout=60)
+            seen.append(event)
+            if isinstance(event, kind) and request_id in (None, event.request_id):
+                return event, seen
+
+
+def start(model, stream: Stream, *, slots=6, batch=4, chunk=16) -> BatchRunner:
+    engine = BatchEngine(
+        model,
+        EngineConfig(chunk_size=chunk, check="layer"),
+        BatchConfig(max_batch_size=batch, pool_slots=slots, slot_tokens=160),
+    )
+    stream.runner = BatchRunner(engine, stream).start()
+    return stream.runner
+
+
+def greedy(name, ids, n):
+    return GenerationRequest(name, ids, max_new_tokens=n, stop_at_eos=False)
+
+
+def collect_tokens(events) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for e in events:
+        if isinstance(e, FirstToken | TokenOut):
+            tokens.setdefault(e.request_id, []).append(e.token_id)
+    return tokens
+
+
+def drain(stream: Stream, names) -> list:
+    events, left = [], set(names)
+    while left:
+        event = stream.events.get(timeout=60)
+        events.append(event)
+        if isinstance(event, Finished | Failed):
+            left.discard(event.request_id)
+    return events
+
+
+def test_more_requests_than_rows_all_match_generate(tiny_llama):
+    model = tiny_llama.model
+    stream = Stream()
+    runner = start(model, stream, batch=3)
+    prompts = {f"r{i}": prompt(10 + 13 * i, 500, seed=i) for i in range(5)}
+    try:
+        for i, (name, ids) in enumerate(prompts.items()):
+            runner.assign(greedy(name, ids, 8 + i), tbt_slo_s=0.05)
+        events = drain(stream, prompts)
+    finally:
+        runner.stop()
+    tokens = collect_tokens(events)
+    finished = {e.request_id: e for e in events if isinstance(e, Finished)}
+    for i, (name, ids) in enumerate(prompts.items()):
+        expected = reference(model, ids, 8 + i)[0]
+        assert tokens[name] == expected == list(finished[name].output_ids), name
+    assert runner.engine.pool.used_slots == 0 and runner.suspended_bytes == 0
+
+
+@pytest.mark.parametrize("drop_state", [False, True])
+def test_paused_decode_resumes_and_streams_each_token_once(tiny_qwen2, drop_state):
+    model = tiny_qwen2.model
+    stream = Stream()
+    runner = start(model, stream)
+    ids = {"p": prompt(30, 500, seed=1), "q": prompt(21, 500, seed=2)}
+    stream.pause_after = ("p", 4, drop_state)
+    try:
+        runner.assign(greedy("p", ids["p"], 12))
+        runner.assign(greedy("q", ids["q"], 12))
+        paused, before = stream.until(Preempted, "p")
+        assert paused.state_dropped is drop_state
+        if drop_state:
+            runner.assign(greedy("p", ids["p"], 12))  # the scheduler's Assign: recompute
+        else:
+            runner.resume("p")
+        events = before + drain(stream, ["p", "q"])
+    finally:
+        runner.stop()
+    tokens = collect_tokens(events)
+    for name, p in ids.items():
+        assert tokens[name] == reference(model, p, 12)[0], name
+    assert runner.engine.pool.used_slots == 0
+
+
+def test_bad_requests_fail_clearly_and_the_runner_keeps_serving(tiny_llama):
+    model = tiny_llama.model
+    stream = Stream()
+    runner = start(model, stream, slots=2, batch=2)
+    try:
+        runner.assign(greedy("big", prompt(150, 500, seed=3), 20))
+        failed, _ = stream.until(Failed, "big")
+        assert failed.invalid_request and "larger than a KV slot" in failed.error
+        for name in ("a", "b"):
+            runner.assign(greedy(name, prompt(12, 500, seed=ord(name)), 60))
+        runner.assign(greedy("c", prompt(12, 500, seed=5), 3))  # both slots are taken
+        failed, _ = stream.until(Failed, "c")
+        assert not failed.invalid_request and "KV slots are in use" in failed.error
+        drain(stream, ["a", "b"])
+        runner.assign(greedy("e", prompt(12, 500, seed=7), 3))
+        done, _ = stream.until(Finished, "e")
+        assert len(done.output_ids) == 3
+    finally:
+        runner.stop()
+    assert runner.engine.pool.used_slots == 0
+
+
+def test_a_preempt_of_a_prefill_still_queued_is_acknowledged(tiny_llama):
+    """A Preempt can reach a prefill that waits behind a decode step; it must be acked, or the
+    scheduler would wait on it. The test plays the engine thread before starting it."""
+    model = tiny_llama.model
+    stream = Stream()
+    engine = BatchEngine(model, EngineConfig(chunk_size=16), BatchConfig(4, 4, 160))
+    runner = BatchRunner(engine, stream)
+    ids = prompt(20, 500, seed=1)
+    runner._on_assign((greedy("q", ids, 5), float("inf")))
+    runner._on_pause(("q", False))
+    acked = stream.events.get_nowait()
+    assert isinstance(acked, Preempted) and acked.state_dropped  # it held nothing yet
+    runner.assign(greedy("q", ids, 5))  # the scheduler's Assign after a dropped state
+    runner.start()
+    try:
+        done, seen = stream.until(Finished, "q")
+    finally:
+        runner.stop()
+    assert collect_tokens(seen)["q"] == reference(model, ids, 5)[0] == list(done.output_ids)

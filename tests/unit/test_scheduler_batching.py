@@ -1,0 +1,93 @@
+"""The scheduler with batched workers, on a fake clock: decode does not hold the prefill,
+KV slots bound what a worker holds, and decode yields to higher tiers under pressure."""
+
+from __future__ import annotations
+
+from queue_service.scheduler import (
+    Assign,
+    Preempt,
+    PreemptionAcked,
+    PrefillFinished,
+    PrefillTimePredictor,
+    RequestDone,
+    RequestState,
+    Resume,
+    Scheduler,
+    SchedulerConfig,
+    WorkerJoined,
+    make_policy,
+)
+from tests.unit.test_scheduler import TIERS, arrive, step
+
+
+def batched(policy: str = "flowprefill", kv_slots: int = 3) -> Scheduler:
+    sched = Scheduler(
+        make_policy(policy),
+        TIERS,
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),  # 1000 tokens = 1 s
+        SchedulerConfig(refit_predictor=False, decode_s_per_token=0.05),
+    )
+    assert step(sched, WorkerJoined("w0", kv_slots=kv_slots), 0.0) == []
+    return sched
+
+
+def first_token(sched, rid, now, tokens=100):
+    return step(sched, PrefillFinished(rid, "w0", tokens, 0.1), now)
+
+
+def test_the_next_prefill_starts_while_the_first_request_decodes():
+    sched = batched(kv_slots=3)
+    assert arrive(sched, "a", "batch", 500, 0.0, new_tokens=200) == [Assign("a", "w0")]
+    assert arrive(sched, "b", "standard", 200, 0.1, new_tokens=200) == []  # prefill busy
+    # Unbatched, a would hold the worker for 200 tokens of decode; batched, b starts now.
+    assert first_token(sched, "a", 0.5) == [Assign("b", "w0")]
+    assert sched.state_of("a") is RequestState.DECODING
+    assert arrive(sched, "c", "batch", 100, 0.6) == []
+    assert first_token(sched, "b", 0.7) == [Assign("c", "w0")]
+    assert arrive(sched, "d", "batch", 100, 0.8) == []
+    # a and b decode, c prefills: 3 slots held. c's first token frees the prefill, not a slot.
+    assert first_token(sched, "c", 0.9) == []
+    assert step(sched, RequestDone("a", "w0"), 1.0) == [Assign("d", "w0")]
+
+
+def test_full_kv_slots_drop_the_newest_lowest_tier_decode_for_a_higher_tier():
+    sched = batched(kv_slots=2)
+    for i, rid in enumerate(("x", "y")):
+        assert arrive(sched, rid, "batch", 100, i * 0.1, new_tokens=300) == [Assign(rid, "w0")]
+        assert first_token(sched, rid, i * 0.1 + 0.05) == []
+    commands = arrive(sched, "c", "critical", 100, 0.3)
+    assert commands == [Preempt("y", "w0", drop_state=True)]  # the newest batch decode
+    ack = PreemptionAcked("y", "w0", 100, state_dropped=True)
+    assert step(sched, ack, 0.35) == [Assign("c", "w0")]
+    assert sched.state_of("y") is RequestState.QUEUED  # recomputes later
+    assert sched.counters["decode_drops"] == 1
+
+
+def test_a_prefill_at_risk_pauses_lower_tier_decode_until_its_first_token():
+    sched = batched(kv_slots=4)
+    assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    assert arrive(sched, "s", "standard", 100, 0.15, new_tokens=300) == [Assign("s", "w0")]
+    assert first_token(sched, "s", 0.2) == []
+    # 900 tokens = 0.9 s + the margin: past the critical SLO of 1 s: at risk from the start.
+    commands = arrive(sched, "c", "critical", 900, 0.3)
+    assert commands[0] == Assign("c", "w0")
+    assert set(commands[1:]) == {Preempt("x", "w0", False), Preempt("s", "w0", False)}
+    assert step(sched, PreemptionAcked("x", "w0", 100, False), 0.31) == []
+    assert step(sched, PreemptionAcked("s", "w0", 100, False), 0.32) == []
+    assert sched.suspended()["w0"] == ("x", "s")
+    resumed = first_token(sched, "c", 1.2, tokens=900)
+    assert set(resumed) == {Resume("x", "w0"), Resume("s", "w0")}
+    assert sched.state_of("x") is RequestState.DECODING
+    assert sched.counters["decode_pauses"] == 2 and sched.counters["decode_resumes"] == 2
+
+
+def test_a_prefill_on_time_leaves_decode_alone_and_fifo_never_pauses():
+    sched = batched()
+    assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    assert arrive(sched, "c", "critical", 200, 0.2) == [Assign("c", "w0")]  # 0.2 s: on time
+    fifo = batched("fifo")
+    assert arrive(fifo, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(fifo, "x", 0.1) == []
+    assert arrive(fifo, "c", "critical", 900, 0.2) == [Assign("c", "w0")]  # at risk, no pause

@@ -1,0 +1,284 @@
+"""The batched engine: a shared KV pool, one decode step for the whole batch, packed prefills.
+
+Built on the preemptible prefill engine (``worker.engine``), whose layer loop, preemption
+checks and exact resume it keeps; what it adds:
+
+- every request's KV lives in a slot of one pool (``worker.kv_pool``); a request gets its slot
+  when its prefill starts and gives it back when it finishes, fails or is cancelled;
+- the decode batch is the requests in slots ``0 .. B-1``; ``decode_step`` is one forward over
+  their B new tokens, one call per layer, rows of different lengths kept apart by the mask;
+  requests ``join`` after their first token and ``leave`` when done, cancelled or paused,
+  between steps; each row samples with its own request's parameters and seeded generator;
+- ``prefill`` runs one request's prefill (chunked, preemptible) and stops after its first
+  token, so the caller joins it to the batch; ``between_layers`` lets the caller slot decode
+  steps in at layer boundaries (``worker.decode_slotting``);
+- ``run_packed`` prefills several whole prompts in one forward (``worker.packed_prefill``);
+- ``pause`` takes a decoding request out of the batch keeping its KV (counted against the
+  memory cap like a suspended prefill); past the cap its state is dropped and it recomputes
+  its prompt and the tokens it produced, without producing any token again.
+
+All of it runs on one thread (the runner's engine thread), like ``PrefillEngine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.config import BatchConfig, EngineConfig
+from worker.engine import (
+    _NO_LISTENER,
+    BetweenLayers,
+    EngineListener,
+    PrefillEngine,
+    RunOutcome,
+    RunStatus,
+)
+from worker.kv_pool import DecodeStepCache, KVPool, SlotCache
+from worker.packed_prefill import PackedPrefill, finish_pack, start_pack
+from worker.preemption import PreemptionChannel, Signal
+from worker.request import GenerationRequest, InvalidRequestError
+from worker.sampling import sample_next_token
+from worker.task import Phase, Task
+
+
+class BatchFullError(RuntimeError):
+    """The decode batch already has ``max_batch_size`` rows."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One decode step: row ``i`` of ``logits`` produced ``tokens[i]`` for ``tasks[i]``."""
+
+    tasks: tuple[Task, ...]
+    tokens: tuple[int, ...]
+    logits: torch.Tensor  # (B, vocab)
+    finished: tuple[Task, ...]  # done after this step; they left the batch and freed their slot
+    seconds: float = 0.0
+
+
+class BatchEngine(PrefillEngine):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        batch: BatchConfig | None = None,
+    ) -> None:
+        super().__init__(model, config)
+        self.batch_config = batch or BatchConfig()
+        self.pool = KVPool(
+            num_layers=len(self.layers),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            num_slots=self.batch_config.pool_slots,
+            slot_tokens=self.batch_config.slot_tokens or self.max_positions,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.rows: list[Task] = []  # the decode batch: rows[i] owns slot i
+
+    # ------------------------------------------------------------------ requests
+
+    def new_task(self, request: GenerationRequest) -> Task:
+        task = super().new_task(request)
+        needed = task.prompt_len + request.max_new_tokens
+        if needed > self.pool.slot_tokens:
+            raise InvalidRequestError(
+                f"request of {needed} tokens (prompt + max_new_tokens) is larger than a KV "
+                f"slot of the pool ({self.pool.slot_tokens} tokens)"
+            )
+        return task
+
+    def prefill(self, task: Task, channel, listener=_NO_LISTENER, between_layers=None):
+        """Prefill ``task`` up to its first token (``RunStatus.PREFILLED``), or until stopped."""
+        return self.run(task, channel, listener, decode=False, between_layers=between_layers)
+
+    def cancel(self, task: Task) -> None:
+        if self.in_batch(task):
+            self.leave(task)
+        super().cancel(task)
+
+    @property
+    def held_bytes(self) -> int:
+        """KV memory owned by requests (all slots in use), running or not."""
+        return self.pool.used_bytes
+
+    # ------------------------------------------------------------------ packed prefill
+
+    @torch.inference_mode()
+    def run_packed(
+        self,
+        pack: PackedPrefill,
+        channel: PreemptionChannel,
+        listener: EngineListener = _NO_LISTENER,
+        between_layers: BetweenLayers | None = None,
+    ) -> RunOutcome:
+        """Prefill every prompt of ``pack`` in one forward, up to each one's first token
+        (``PREFILLED``; members whose first token ends them are FINISHED), or until stopped."""
+        if pack.state is None:
+            start_pack(self, pack)
+        for task in pack.tasks:
+            self.memory.release(task.request_id)
+        state = pack.state
+        assert state is not None
+
+        def report(layers_done: int) -> None:
+            for task in pack.tasks:
+                listener.on_layers_done(task, 0, layers_done)
+
+        try:
+            h = self._run_layers(state, state.cache, channel, report, between_layers)
+            if h is None:
+                return self._stop_pack(pack, channel)
+            finish_pack(self, pack, h, listener)
+        except BaseException:
+            pack.state = None
+            for task in pack.tasks:
+                self._free(task)
+            raise
+        finally:
+            self.run_ahead.drain()
+        return RunOutcome(RunStatus.PREFILLED)
+
+    def _stop_pack(self, pack: PackedPrefill, channel: PreemptionChannel) -> RunOutcome:
+        signal = channel.signal
+        channel.clear()
+        if signal is Signal.CANCEL:
+            pack.state = None
+            for task in pack.tasks:
+                self.cancel(task)
+            return RunOutcome(RunStatus.CANCELLED)
+        for task in pack.tasks:
+            task.preemptions += 1
+        held = pack.held_bytes()
+        if signal is Signal.PREEMPT and self.memory.try_hold_all(held):
+            return RunOutcome(
+                RunStatus.PREEMPTED, resume_point=pack.resume_point(), held_bytes=sum(held.values())
+            )
+        pack.state = None
+        for task in pack.tasks:
+            self._free(task)
+            task.phase = Phase.QUEUED
+            task.recomputes += 1
+        return RunOutcome(RunStatus.PREEMPTED, resume_point=pack.resume_point(), state_dropped=True)
+
+    # ------------------------------------------------------------------ the batch
+
+    def in_batch(self, task: Task) -> bool:
+        return any(row is task for row in self.rows)
+
+    def join(self, task: Task) -> None:
+        """Add a request that has its first token (or was paused) to the decode batch."""
+        if task.phase is not Phase.DECODE or task.state is None:
+            raise ValueError(f"task {task.request_id} is {task.phase.value}, not ready to decode")
+        if self.in_batch(task):
+            raise ValueError(f"task {task.request_id} is already in the batch")
+        if len(self.rows) >= self.batch_config.max_batch_size:
+            raise BatchFullError(f"the decode batch is full ({len(self.rows)} rows)")
+        self.pool.swap(self._slot(task), len(self.rows))
+        self.rows.append(task)
+        self.memory.release(task.request_id)  # decoding again: no longer counted as paused
+
+    def leave(self, task: Task) -> None:
+        """Take ``task`` out of the batch; it keeps its slot. The last row fills the gap."""
+        row, last = self._slot(task), len(self.rows) - 1
+        if row > last or self.rows[row] is not task:
+            raise ValueError(f"task {task.request_id} is not in the decode batch")
+        self.pool.swap(row, last)
+        self.rows[row] = self.rows[last]
+        self.rows.pop()
+
+    def pause(self, task: Task, *, drop_state: bool = False) -> bool:
+        """Stop decoding ``task`` for now. True: its KV is kept (resume with ``join``). False:
+        asked to, or over the memory cap, its state was dropped; ``prefill`` recomputes its
+        prompt and tokens so far (producing none of them again), then ``join``."""
+        if self.in_batch(task):
+            self.leave(task)
+        task.preemptions += 1
+        if not drop_state and self.memory.try_hold(task.request_id, task.held_bytes()):
+            return True
+        self.memory.release(task.request_id)
+        self._free(task)
+        task.phase = Phase.QUEUED
+        task.chunks = self.chunks_of(len(task.prefill_ids))
+        task.recomputes += 1
+        return False
+
+    @torch.inference_mode()
+    def decode_step(self, listener: EngineListener = _NO_LISTENER) -> StepResult:
+        """One token for every row of the batch, in one forward."""
+        rows = tuple(self.rows)
+        if not rows:
+            return StepResult((), (), torch.empty(0), ())
+        lengths = [self._cache(t).length for t in rows]
+        positions = torch.tensor(lengths, device=self.device)
+        kv_len = max(lengths) + 1
+        last = torch.tensor([[t.output_ids[-1]] for t in rows], device=self.device)
+        h = self.embed(last)
+        position_ids = positions.unsqueeze(1)
+        rotary = self.rotary(h, position_ids)
+        masks = self._step_masks(positions, kv_len)
+        cache = DecodeStepCache(self.pool, positions, kv_len)
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            h = layer(
+                h,
+                attention_mask=masks[layer_type],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=rotary,
+            )
+        logits = self.lm_head(self.norm(h))[:, -1]
+        tokens = []
+        for i, task in enumerate(rows):
+            self._cache(task).filled = [lengths[i] + 1] * len(self.layers)
+            token = sample_next_token(logits[i], task.request.sampling, task.generator)
+            task.output_ids.append(token)
+            tokens.append(token)
+            listener.on_token(task, token)
+        finished = tuple(t for t in rows if self.is_done(t))
+        for task in finished:
+            self.leave(task)
+            self._free(task)
+            task.phase = Phase.FINISHED
+        return StepResult(rows, tuple(tokens), logits, finished)
+
+    # ------------------------------------------------------------------ internals
+
+    def _step_masks(self, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
+        """Row i's query (at ``positions[i]``) sees keys 0 .. positions[i], within the window."""
+        keys = torch.arange(kv_len, device=self.device).unsqueeze(0)
+        query = positions.unsqueeze(1)
+        masks = {}
+        for layer_type in set(self.layer_types):
+            allowed = keys <= query
+            window = self.sliding_window if layer_type == "sliding_attention" else None
+            if window is not None:
+                allowed = allowed & (query - keys < window)
+            masks[layer_type] = self._as_attention_mask(allowed[:, None, None, :])
+        return masks
+
+    def _as_attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self.attn_impl == "eager":  # eager attention adds the mask to the scores
+            zeros = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            return zeros.masked_fill(~allowed, torch.finfo(self.dtype).min)
+        return allowed
+
+    def _new_cache(self, request: GenerationRequest) -> SlotCache:
+        return self.pool.allocate(request.request_id)
+
+    def _free(self, task: Task) -> None:
+        if task.state is not None and isinstance(task.state.cache, SlotCache):
+            self.pool.free(task.state.cache)
+        super()._free(task)
+
+    @staticmethod
+    def _cache(task: Task) -> SlotCache:
+        assert task.state is not None
+        cache = task.state.cache
+        assert isinstance(cache, SlotCache)
+        return cache
+
+    def _slot(self, task: Task) -> int:
+        return self._cache(task).slot

@@ -1,0 +1,92 @@
+"""Decode steps slotted into a long prefill at layer boundaries, when a row would miss its TBT.
+
+While one long prefill runs, the decode batch would otherwise wait for all of it: the time
+between tokens (TBT) of every decoding request becomes the prefill's time. The slotter is the
+prefill's ``between_layers`` hook: at each boundary it checks whether waiting one more operator
+(a layer, or half of one with ``check="half"``) plus one decode step would push any row past
+its last token + its tier's TBT target, and if so runs one decode step there. TBT is then
+bounded by about one operator plus one decode step, whatever the chunk size, and the prefill
+pays only for the steps that a target actually needed.
+
+The operator and step times are learnt as it runs (a fast-rising, slowly-falling average, so
+one slow layer is not forgotten at once). The clock is passed in, for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from worker.batch_engine import BatchEngine, StepResult
+from worker.engine import _NO_LISTENER, EngineListener
+from worker.task import Task
+
+
+def _learn(estimate: float, sample: float) -> float:
+    return sample if sample > estimate else estimate + 0.2 * (sample - estimate)
+
+
+class DecodeSlotter:
+    def __init__(
+        self,
+        engine: BatchEngine,
+        tbt_target_s: Callable[[Task], float],
+        on_step: Callable[[StepResult], None] = lambda result: None,
+        listener: EngineListener = _NO_LISTENER,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.engine = engine
+        self.tbt_target_s = tbt_target_s
+        self.on_step = on_step
+        self.listener = listener
+        self.clock = clock
+        self.operator_s = 0.0  # one prefill operator (time between two boundaries)
+        self.step_s = 0.0  # one decode step of the current batch
+        self.slotted_steps = 0
+        self._last_token_at: dict[str, float] = {}
+        self._boundary_at: float | None = None
+
+    def joined(self, task: Task, at: float | None = None) -> None:
+        """``task`` joined the batch; its TBT counts from its last token (now by default)."""
+        self._last_token_at[task.request_id] = self.clock() if at is None else at
+
+    def prefill_started(self) -> None:
+        """A prefill run is about to start: step first if its first operator would be too
+        late; the time before this call is no operator's."""
+        self._boundary_at = None
+        self()
+
+    def step(self) -> StepResult:
+        """One decode step of the batch, timed; rows that finished are forgotten."""
+        started = self.clock()
+        result = self.engine.decode_step(self.listener)
+        now = self.clock()
+        self.step_s = _learn(self.step_s, now - started)
+        for task in result.tasks:
+            self._last_token_at[task.request_id] = now
+        for task in result.finished:
+            self._last_token_at.pop(task.request_id, None)
+        self.on_step(result)
+        return result
+
+    def forget(self, task: Task) -> None:
+        self._last_token_at.pop(task.request_id, None)
+
+    def deadline(self) -> float:
+        """The earliest time by which some row needs its next token."""
+        last = self._last_token_at
+        return min(
+            (last.get(t.request_id, 0.0) + self.tbt_target_s(t) for t in self.engine.rows),
+            default=float("inf"),
+        )
+
+    def __call__(self) -> None:
+        """At a prefill boundary: step now if waiting one more operator would be too late."""
+        now = self.clock()
+        if self._boundary_at is not None:
+            self.operator_s = _learn(self.operator_s, now - self._boundary_at)
+        if self.engine.rows and now + self.operator_s + self.step_s > self.deadline():
+            self.step()
+            self.slotted_steps += 1
+            now = self.clock()
+        self._boundary_at = now

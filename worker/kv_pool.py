@@ -1,0 +1,199 @@
+"""A shared KV pool of fixed-size slots, and the cache views the attention modules write into.
+
+Every admitted request owns one slot: per layer, a region of ``slot_tokens`` positions in one
+preallocated tensor of shape ``(num_slots, num_kv_heads, slot_tokens, head_dim)``. Slots, not
+pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then attends to
+``keys[:B, :, :longest]``, a *view* of the pool, with rows of different lengths masked. Pages
+would need a gather of every row's pages into a batch tensor on every step (a copy of all
+caches), which plain ``torch`` attention cannot avoid without a paged kernel. The price of slots
+is internal fragmentation (a slot is sized for the longest request) and a copy of one request's
+filled K/V when the batch is compacted (``swap``) on join, leave or pause, never per step.
+
+Memory accounting is per request: a request holds its whole slot (``slot_bytes``) from its
+first layer until it is freed; ``worker.memory`` caps what suspended and paused ones hold.
+
+The pool is zero-filled: masked positions are multiplied by an attention weight of 0, and a
+NaN from uninitialised memory would survive that product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolFullError(RuntimeError):
+    """No free slot: the caller must wait for one, pause or drop a request first."""
+
+
+class SlotCache:
+    """One request's slot, written by the attention modules during its own prefill.
+
+    Each layer keeps its own fill level (a prefill stopped mid-chunk leaves it uneven), exactly
+    like ``worker.kv_cache.LayerwiseKVCache``, whose interface this shares.
+    """
+
+    def __init__(self, pool: KVPool, slot: int, owner: str) -> None:
+        self.pool = pool
+        self.slot = slot  # changes when the pool compacts the decode batch
+        self.owner = owner
+        self.filled = [0] * pool.num_layers
+        self.capacity = pool.slot_tokens
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        **_: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this chunk's K/V (batch 1) for one layer; return the layer's K/V so far."""
+        start = self.filled[layer_idx]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV slot overflow at layer {layer_idx}: {end} > {self.capacity}")
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        s = self.slot
+        keys[s, :, start:end].copy_(key_states[0])
+        values[s, :, start:end].copy_(value_states[0])
+        self.filled[layer_idx] = end
+        return keys[s : s + 1, :, :end], values[s : s + 1, :, :end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.slot_bytes
+
+    @property
+    def length(self) -> int:
+        """Tokens held in every layer (the decode position of the next token)."""
+        return min(self.filled)
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        slot_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_slots <= 0 or slot_tokens <= 0:
+            raise ValueError(
+                f"pool needs at least one slot of at least one token, got {num_slots} slots "
+                f"of {slot_tokens} tokens"
+            )
+        shape = (num_slots, num_kv_heads, slot_tokens, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.slot_tokens = slot_tokens
+        element = torch.empty((), dtype=dtype).element_size()
+        self.slot_bytes = 2 * num_layers * num_kv_heads * slot_tokens * head_dim * element
+        self._caches: list[SlotCache | None] = [None] * num_slots
+
+    @property
+    def used_slots(self) -> int:
+        return sum(c is not None for c in self._caches)
+
+    @property
+    def free_slots(self) -> int:
+        return self.num_slots - self.used_slots
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_slots * self.slot_bytes
+
+    def allocate(self, owner: str) -> SlotCache:
+        """The highest free slot: the decode batch grows from slot 0, so a new request rarely
+        sits where the batch will need to grow next."""
+        for slot in range(self.num_slots - 1, -1, -1):
+            if self._caches[slot] is None:
+                cache = SlotCache(self, slot, owner)
+                self._caches[slot] = cache
+                return cache
+        raise PoolFullError(f"all {self.num_slots} KV slots are in use")
+
+    def free(self, cache: SlotCache) -> None:
+        if cache.slot >= 0 and self._caches[cache.slot] is cache:
+            self._caches[cache.slot] = None
+        cache.slot = -1  # a freed cache owns nothing: a suspended pack's write to it is skipped
+
+    def owner_of(self, slot: int) -> SlotCache | None:
+        return self._caches[slot]
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the contents and owners of two slots (either may be free)."""
+        if a == b:
+            return
+        ca, cb = self._caches[a], self._caches[b]
+        n = max(max(c.filled) if c is not None else 0 for c in (ca, cb))
+        if n:
+            for tensors in (self.keys, self.values):
+                for t in tensors:
+                    held = t[a, :, :n].clone()
+                    t[a, :, :n].copy_(t[b, :, :n])
+                    t[b, :, :n].copy_(held)
+        self._caches[a], self._caches[b] = cb, ca
+        if ca is not None:
+            ca.slot = b
+        if cb is not None:
+            cb.slot = a
+
+
+class DecodeStepCache:
+    """The cache one decode step of the batch in slots ``0 .. B-1`` writes into.
+
+    Row ``i`` writes its new token's K/V at ``positions[i]`` of slot ``i`` and attends to a view
+    of the first ``kv_len`` positions of slots ``0 .. B-1``; the step's mask hides each row's
+    positions past its own length.
+    """
+
+    def __init__(self, pool: KVPool, positions: torch.Tensor, kv_len: int) -> None:
+        self.pool = pool
+        self.positions = positions
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+        self.kv_len = kv_len
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        **_: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        values[self.rows, :, self.positions] = value_states[:, :, 0]
+        b = self.rows.shape[0]
+        return keys[:b, :, : self.kv_len], values[:b, :, : self.kv_len]
+
+
+class PackedPrefillCache:
+    """The cache of a packed prefill: several prompts concatenated into one row.
+
+    Segment ``i`` (tokens ``offsets[i] .. offsets[i+1]`` of the row) is request ``i``'s whole
+    prompt; its K/V go to that request's slot. Attention runs over the packed K/V as computed
+    (a block-diagonal causal mask keeps the segments apart), so nothing is gathered.
+    """
+
+    def __init__(self, caches: list[SlotCache], offsets: list[int]) -> None:
+        self.caches = caches
+        self.offsets = offsets
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        **_: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for i, cache in enumerate(self.caches):
+            if cache.slot < 0:  # that member was cancelled while the pack was suspended
+                continue
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            cache.update(key_states[:, :, lo:hi], value_states[:, :, lo:hi], layer_idx)
+        return key_states, value_states
