@@ -72,15 +72,67 @@ def rank_waiting(
     estimator: Estimator,
     rules: Rules,
     now: float,
+    workers: Sequence[WorkerSlot] = (),
 ) -> list[Request]:
-    """Waiting requests (queued or suspended), best first."""
+    """Waiting requests (queued or suspended), best first: aged ones, then the policy's order
+    corrected by its tier guard."""
+    waiting = [r for r in requests if r.waiting]
+    left = {r.request_id: estimator.prefill_left(r, now) for r in waiting}
+    aged: list[Request] = []
+    fresh: list[Request] = []
+    for req in waiting:
+        (aged if rules.aged(req, now) else fresh).append(req)
+    aged.sort(key=lambda r: (r.arrival_s, r.seq))  # oldest starving request first
+    fresh.sort(key=lambda r: policy.key(r, now, left[r.request_id]))
+    if policy.guards_tiers:
+        fresh = guard_tiers(aged, fresh, left, policy, estimator, now, workers)
+    return aged + fresh
 
-    def key(req: Request) -> tuple[float, SortKey]:
-        if rules.aged(req, now):
-            return (0.0, (req.arrival_s, req.seq))  # oldest starving request first
-        return (1.0, policy.key(req, now, estimator.prefill_left(req, now)))
 
-    return sorted((r for r in requests if r.waiting), key=key)
+def guard_tiers(
+    aged: Sequence[Request],
+    ranked: Sequence[Request],
+    left: Mapping[str, float],
+    policy: SchedulingPolicy,
+    estimator: Estimator,
+    now: float,
+    workers: Sequence[WorkerSlot],
+) -> list[Request]:
+    """``ranked`` with every request the policy ``guarded`` moved before the lower-tier
+    requests ranked ahead of it (keeping the order of the rest).
+
+    The wait in front of a request is the predicted work ranked ahead of it, spread over the
+    workers: the same start time ``choose_preemptions`` sees, so that a request that preempted
+    by the guard also ranks first when its worker frees (no preempt/resume loop).
+    """
+    lanes = max(1, len(workers))
+    busy = (
+        estimator.prefill_left
+        if workers and all(w.batched for w in workers)
+        else estimator.busy_left
+    )
+    cost = {r.request_id: busy(r, now) for r in (*aged, *ranked)}
+    margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
+    order = list(ranked)
+    ahead = sum(cost[r.request_id] for r in aged)
+    lowest_rank_ahead = -1  # the largest tier rank among order[:i]
+    i = 0
+    while i < len(order):
+        req = order[i]
+        rank = req.tier.rank
+        if lowest_rank_ahead > rank and policy.guarded(
+            req, now, ahead / lanes, left[req.request_id], margin, switch_s
+        ):
+            keep = [r for r in order[:i] if r.tier.rank <= rank]
+            lower = [r for r in order[:i] if r.tier.rank > rank]
+            order[: i + 1] = [*keep, req, *lower]
+            i = len(keep)
+            ahead = sum(cost[r.request_id] for r in (*aged, *keep))
+            lowest_rank_ahead = max((r.tier.rank for r in keep), default=-1)
+        ahead += cost[req.request_id]
+        lowest_rank_ahead = max(lowest_rank_ahead, rank)
+        i += 1
+    return order
 
 
 def place_on_free_workers(

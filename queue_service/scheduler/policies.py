@@ -17,12 +17,13 @@ Policies (docs/design.md, "Scheduling"):
                the next chunk boundary (vLLM/Sarathi-style); state kept
   recompute    tier order; preempts on any strictly higher waiting tier, dropping the state
                (SGLang/vLLM recompute-style); the engine stops at the next layer
-  flowprefill  EDF over deadlines, late work re-deadlined within its tier (see ``FlowPrefill``);
-               preempts only when a waiting request outranks the running one AND would miss
-               its SLO by waiting (predictions inflated by the predictor's observed error), or
-               is late already, or its wake-up fired; the engine stops at the next layer;
-               state kept. A request that waits on a prediction gets a wake-up at the last
-               moment a preemption still saves it (``latest_start_s``).
+  flowprefill  EDF over deadlines, late work re-deadlined within its tier, and a tier guard
+               (see ``FlowPrefill``); preempts only when a waiting request outranks the
+               running one AND would miss its SLO by waiting (predictions inflated by the
+               predictor's observed error), or is late already, or its wake-up fired; or when
+               the tier guard asks for it; the engine stops at the next layer; state kept. A
+               request that waits on a prediction gets a wake-up at the last moment a
+               preemption still saves it (``latest_start_s``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def slack_s(req: Request, now: float, remaining_s: float) -> float:
     return req.deadline_s - now - remaining_s
 
 
+def misses_behind(
+    req: Request, now: float, ahead_s: float, remaining_s: float, margin: float, switch_s: float
+) -> bool:
+    """Whether ``req`` misses its deadline when it starts after ``ahead_s`` of other work, with
+    predicted times inflated by the predictor's error ``margin``."""
+    return now + (ahead_s + remaining_s) * (1 + margin) + switch_s > req.deadline_s
+
+
 @dataclass(frozen=True)
 class Outlook:
     """What the planner predicts for one waiting request against one running request."""
@@ -60,6 +69,8 @@ class SchedulingPolicy(ABC):
     engine_check: ClassVar[EngineCheck]
     preempts: ClassVar[bool] = False
     drop_state: ClassVar[bool] = False
+    # Whether the planner applies ``guarded`` on top of ``key`` (the tier guard).
+    guards_tiers: ClassVar[bool] = False
 
     @abstractmethod
     def key(self, req: Request, now: float, remaining_s: float) -> SortKey:
@@ -82,6 +93,19 @@ class SchedulingPolicy(ABC):
     ) -> float | None:
         """When a waiting request must be reconsidered at the latest (a wake-up), or None."""
         return None
+
+    def guarded(
+        self,
+        req: Request,
+        now: float,
+        ahead_s: float,
+        remaining_s: float,
+        margin: float,
+        switch_s: float,
+    ) -> bool:
+        """Whether ``req`` must go before lower-tier work that ``key`` ranks ahead of it, when
+        that work (``ahead_s`` of it) would otherwise run first. Only if ``guards_tiers``."""
+        return False
 
     def victim_key(
         self, running: Request, now: float, remaining_s: float, delay_s: float
@@ -150,11 +174,18 @@ class FlowPrefill(SchedulingPolicy):
     standard request (now + 3 s) never before a critical request that can make its deadline.
     A decoding request (first token out) keeps its tier's urgency the same way.
 
+    Tier guard (``guarded``): EDF alone lets lower-tier work with an earlier deadline run
+    first and make a higher-tier request miss, when both cannot be served in time. So a
+    request that can still make its deadline, but would miss it behind lower-tier work that
+    EDF ranks first (or whose wake-up fired), goes before that work, and preempts it if it
+    runs. Lower tiers never preempt a higher tier's prefill, which keeps the two rules from
+    undoing each other.
+
     Preemption (``should_preempt``), only of a request ranked behind the waiting one: when the
     waiting request would miss its deadline by waiting, with predictions inflated by the
     predictor's observed error margin; when it is late already (waiting only adds to its
     TTFT) and the running request is of a lower tier; or when its wake-up fired (it waited on
-    a prediction that turned out wrong).
+    a prediction that turned out wrong). And of lower-tier work ranked first, by the guard.
 
     ``switch_s``: the least time assumed for a preemption to take effect; the scheduler
     passes the observed p95 (about one layer) when that is longer.
@@ -163,6 +194,7 @@ class FlowPrefill(SchedulingPolicy):
     name = "flowprefill"
     engine_check = "layer"
     preempts = True
+    guards_tiers = True
 
     def __init__(self, switch_s: float = 0.0) -> None:
         if not switch_s >= 0:
@@ -182,21 +214,49 @@ class FlowPrefill(SchedulingPolicy):
     ) -> bool:
         if waiting.prefilled:
             return False  # its TTFT is behind it: no deadline to save
+        if waiting.tier.rank > running.tier.rank and not running.prefilled:
+            return False  # lower tiers never stop a higher tier's prefill
+        switch = max(self.switch_s, outlook.switch_s)
         # Same order as the queue: a request preempted for another must not rank first again
         # once the worker is free (that would be a preempt/resume loop).
         if not self.key(waiting, now, outlook.waiting_remaining_s) < self.key(
             running, now, outlook.running_remaining_s
         ):
-            return False
+            return waiting.tier.rank < running.tier.rank and self.guarded(
+                waiting,
+                now,
+                outlook.wait_s,
+                outlook.waiting_remaining_s,
+                outlook.margin,
+                outlook.switch_s,
+            )
         if outlook.due:
             return True
-        switch = max(self.switch_s, outlook.switch_s)
         if slack_s(waiting, now + switch, outlook.waiting_remaining_s) < 0:
             # Late: it may stop lower-tier work (waiting only adds to its TTFT), but not work
             # of its own tier or above, which is on time or, late too, due no later.
             return running.tier.rank > waiting.tier.rank and outlook.wait_s > switch
-        inflated = (outlook.wait_s + outlook.waiting_remaining_s) * (1 + outlook.margin)
-        return now + inflated + switch > waiting.deadline_s
+        return misses_behind(
+            waiting, now, outlook.wait_s, outlook.waiting_remaining_s, outlook.margin, switch
+        )
+
+    def guarded(
+        self,
+        req: Request,
+        now: float,
+        ahead_s: float,
+        remaining_s: float,
+        margin: float,
+        switch_s: float,
+    ) -> bool:
+        if req.prefilled:
+            return False
+        switch = max(self.switch_s, switch_s)
+        if slack_s(req, now + switch, remaining_s) < 0:
+            return False  # late: the late-work rule of ``key`` decides
+        if req.due:
+            return True  # its wake-up fired: the prediction it waited on was wrong
+        return misses_behind(req, now, ahead_s, remaining_s, margin, switch)
 
     def latest_start_s(
         self, req: Request, now: float, remaining_s: float, margin: float, switch_s: float

@@ -327,7 +327,7 @@ class Scheduler:
             )
         ]
         ranked = planner.rank_waiting(
-            self._waiting_prefills(), self.policy, self._estimator, self._rules, now
+            self._waiting_prefills(), self.policy, self._estimator, self._rules, now, workers
         )
         placements = planner.place_on_free_workers(ranked, workers)
         for worker in workers:
