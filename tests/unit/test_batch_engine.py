@@ -11,6 +11,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from tests.engine_hooks import StopAfter
 from worker.batch_engine import BatchEngine, BatchFullError
 from worker.config import BatchConfig
 from worker.engine import EngineConfig, RunStatus
@@ -45,23 +46,6 @@ class Streams:
     def record_step(self, result) -> None:
         for task, row_logits in zip(result.tasks, result.logits, strict=True):
             self.logits[task.request_id].append(row_logits.clone())
-
-
-class StopAfterLayers:
-    """Raises the channel's preempt signal after the n-th decoder-layer call."""
-
-    def __init__(self, model, channel, n: int) -> None:
-        self.channel, self.n, self.calls = channel, n, 0
-        self.handles = [layer.register_forward_hook(self._hook) for layer in model.model.layers]
-
-    def _hook(self, module, args, output):
-        self.calls += 1
-        if self.calls == self.n:
-            self.channel.preempt()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
@@ -108,7 +92,7 @@ def test_eight_requests_joining_at_different_steps_match_generate(request, model
     }
     # r3 (61 tokens, 4 chunks) is preempted in its second chunk, stays suspended for two
     # decode steps of the others, then resumes where it stopped.
-    trigger = StopAfterLayers(model, channel, len(engine.layers) + 1)
+    trigger = StopAfter(model, channel, {len(engine.layers) + 1}, halves=False)
     try:
         outcome = engine.prefill(tasks["r3"], channel, streams)
     finally:

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from tests.engine_hooks import StopAfter
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
@@ -38,27 +39,6 @@ class Recorder:
 
     def on_token(self, task, token_id):
         self.tokens.append(token_id)
-
-
-class StopAfter:
-    """Raises the channel's preempt signal after the listed operator calls (1-based)."""
-
-    def __init__(self, model, channel, stops, *, halves: bool) -> None:
-        self.channel, self.stops, self.calls = channel, set(stops), 0
-        # In "half" mode the engine calls the attention and MLP submodules, not the layer.
-        modules = []
-        for layer in model.model.layers:
-            modules += [layer.self_attn, layer.mlp] if halves else [layer]
-        self.handles = [m.register_forward_hook(self._hook) for m in modules]
-
-    def _hook(self, module, args, output):
-        self.calls += 1
-        if self.calls in self.stops:
-            self.channel.preempt()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def run_to_end(engine, task, channel, recorder):

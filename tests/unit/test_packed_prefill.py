@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from tests.engine_hooks import StopAfter
 from tests.unit.test_batch_engine import Streams, greedy, make_engine, prompt, reference
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig
@@ -17,25 +18,6 @@ from worker.preemption import PreemptionChannel
 from worker.task import Phase
 
 TOL = 1e-4
-
-
-class StopAfterOps:
-    """Raises the preempt signal after the listed attention/MLP calls (1-based): with
-    check="half" the engine checks between them, so each stop is inside a layer or at its end."""
-
-    def __init__(self, model, channel, stops) -> None:
-        self.channel, self.stops, self.calls = channel, set(stops), 0
-        modules = [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp)]
-        self.handles = [m.register_forward_hook(self._hook) for m in modules]
-
-    def _hook(self, module, args, output):
-        self.calls += 1
-        if self.calls in self.stops:
-            self.channel.preempt()
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
@@ -51,7 +33,7 @@ def test_packed_prefill_is_exact_also_after_preemption(request, model_fixture, s
     prompts = [prompt(n, model.config.vocab_size, seed=50 + n) for n in lengths]
     tasks = tuple(engine.new_task(greedy(f"p{i}", p, 6)) for i, p in enumerate(prompts))
     pack, channel, streams = PackedPrefill(tasks), PreemptionChannel(), Streams()
-    trigger = StopAfterOps(model, channel, stops)
+    trigger = StopAfter(model, channel, stops, halves=True)
     try:
         preemptions = 0
         while (outcome := engine.run_packed(pack, channel, streams)).status is RunStatus.PREEMPTED:
