@@ -19,7 +19,8 @@ Policies (docs/design.md, "Scheduling"):
                (SGLang/vLLM recompute-style); the engine stops at the next layer
   flowprefill  EDF over deadlines, late work re-deadlined within its tier, and a tier guard
                (see ``FlowPrefill``); preempts only when a waiting request outranks the
-               running one AND would miss its SLO by waiting (predictions inflated by the
+               running one AND the running one is a lower tier's prefill that can spare the
+               time, or the waiting one would miss its SLO by waiting (predictions inflated by the
                predictor's observed error), or is late already, or its wake-up fired; or when
                the tier guard asks for it; the engine stops at the next layer; state kept. A
                request that waits on a prediction gets a wake-up at the last moment a
@@ -181,7 +182,8 @@ class FlowPrefill(SchedulingPolicy):
     runs. Lower tiers never preempt a higher tier's prefill, which keeps the two rules from
     undoing each other.
 
-    Preemption (``should_preempt``), only of a request ranked behind the waiting one: when the
+    Preemption (``should_preempt``), only of a request ranked behind the waiting one: of a
+    lower tier's prefill, unless stopping it costs that request its own deadline; when the
     waiting request would miss its deadline by waiting, with predictions inflated by the
     predictor's observed error margin; when it is late already (waiting only adds to its
     TTFT) and the running request is of a lower tier; or when its wake-up fired (it waited on
@@ -236,9 +238,23 @@ class FlowPrefill(SchedulingPolicy):
             # Late: it may stop lower-tier work (waiting only adds to its TTFT), but not work
             # of its own tier or above, which is on time or, late too, due no later.
             return running.tier.rank > waiting.tier.rank and outlook.wait_s > switch
+        if running.tier.rank > waiting.tier.rank and not running.prefilled:
+            # Across tiers, stopping a prefill costs it about one layer and no work (its state
+            # is kept), while waiting on a prediction loses the deadline whenever the
+            # prediction is wrong. So wait only when stopping would cost the running request
+            # its own deadline.
+            return not self._stop_costs_deadline(running, now, outlook, switch)
         return misses_behind(
             waiting, now, outlook.wait_s, outlook.waiting_remaining_s, outlook.margin, switch
         )
+
+    @staticmethod
+    def _stop_costs_deadline(running: Request, now: float, outlook: Outlook, switch: float) -> bool:
+        """Whether ``running``, on time now, would miss its deadline if held off for the
+        waiting request's prefill (inflated by the margin) and two switches."""
+        left = outlook.running_remaining_s
+        held = outlook.waiting_remaining_s * (1 + outlook.margin) + 2 * switch
+        return slack_s(running, now, left) >= 0 and slack_s(running, now + held, left) < 0
 
     def guarded(
         self,

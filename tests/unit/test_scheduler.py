@@ -55,6 +55,14 @@ def arrive(sched, rid, tier, tokens, now, new_tokens=0):
     return decisions(sched.handle(RequestArrived(rid, tier, tokens, new_tokens), now))
 
 
+def arrive_due_soon(sched, rid, tier, tokens, now, spare_s=0.05):
+    """A request admitted earlier, so that if it starts now its deadline falls ``spare_s``
+    after its predicted end: stopping it would cost it its deadline, so flowprefill lets
+    newcomers wait on predictions rather than preempt it."""
+    admitted = now + tokens / 1000 + spare_s - TIERS[tier].ttft_slo_s
+    return step(sched, RequestArrived(rid, tier, tokens, arrival_s=admitted), now)
+
+
 def step(sched: Scheduler, event, now: float) -> list:
     return decisions(sched.handle(event, now))
 
@@ -168,10 +176,18 @@ def test_tier_preemptive_policies_do_not_preempt_same_or_lower_tier(policy):
     assert arrive(sched, "b", "batch", 10, 0.2) == []
 
 
+def test_flowprefill_preempts_lower_tier_prefill_even_when_the_newcomer_could_wait():
+    sched = make("flowprefill")
+    arrive(sched, "b", "batch", 1000, 0.0)  # 1 s of prefill, deadline 100 s
+    # The critical request would make its SLO by waiting (0.6 s < 1 s), but only if the
+    # prediction holds; stopping b costs b a layer and no work.
+    assert arrive(sched, "c", "critical", 100, 0.5) == [Preempt("b", "w0", drop_state=False)]
+
+
 def test_flowprefill_does_not_preempt_when_the_newcomer_makes_its_slo_anyway():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)  # 1 s of prefill
-    # At 0.5 s the batch has ~0.5 s left; the critical needs 0.1 s: 0.6 s < its 1 s SLO.
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # deadline 1.05 s: no time to give
+    # At 0.5 s b has ~0.5 s left; the critical needs 0.1 s: 0.6 s < its 1 s SLO.
     assert arrive(sched, "c", "critical", 100, 0.5) == []
     assert step(sched, RequestDone("b", "w0"), 1.0) == [Assign("c", "w0")]
 
@@ -198,7 +214,7 @@ def test_progress_reports_sharpen_the_estimate():
 
 def test_a_progress_report_revisits_a_decision_to_wait():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)  # predicted done at 1.0 s
+    arrive_due_soon(sched, "b", "batch", 1000, 0.0)  # predicted done at 1.0 s, due at 1.05 s
     # The standard request (SLO 5 s) makes it by waiting: no preemption.
     assert arrive(sched, "s", "standard", 500, 0.1) == []
     # At 3.9 s the batch request reports 200 of 1000 tokens: ~0.8 s more, then 0.5 s for the
@@ -211,7 +227,7 @@ def test_a_progress_report_revisits_a_decision_to_wait():
 @pytest.mark.parametrize(("margin", "preempts"), [(0.0, False), (0.2, True)])
 def test_flowprefill_waits_only_with_the_prediction_margin_inside_the_slo(margin, preempts):
     sched = make("flowprefill", default_prediction_margin=margin)
-    arrive(sched, "b", "batch", 800, 0.0)
+    arrive_due_soon(sched, "b", "standard", 800, 0.0)  # due at 0.85 s
     # Waiting, the critical request would be done at 0.9 s: inside its 1 s SLO, but not
     # with predictions 20% too optimistic (1.08 s).
     expected = [Preempt("b", "w0", drop_state=False)] if preempts else []
@@ -365,8 +381,8 @@ def test_flowprefill_victim_is_the_one_that_does_not_lose_its_own_deadline():
 
 def test_flowprefill_waits_for_a_worker_that_frees_in_time():
     sched = make("flowprefill", workers=2)
-    arrive(sched, "b1", "batch", 50_000, 0.0)
-    arrive(sched, "b2", "batch", 1000, 0.0)  # w1 frees at 1.0
+    arrive_due_soon(sched, "b1", "batch", 50_000, 0.0)
+    arrive_due_soon(sched, "b2", "standard", 1000, 0.0)  # w1 frees at 1.0
     assert arrive(sched, "c", "critical", 300, 0.8) == []  # starts at 1.0, done 1.3 < 1.8
     assert step(sched, RequestDone("b2", "w1"), 1.0) == [Assign("c", "w1")]
 
@@ -526,7 +542,7 @@ def test_unknown_event_type_is_an_error():
 
 def test_a_request_that_waits_on_a_prediction_gets_a_wake_up_at_its_latest_start():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)  # predicted to end at 1.0 s
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # predicted to end at 1.0 s
     commands = sched.handle(RequestArrived("c", "critical", 100), 0.5)
     # Deadline 1.5 s, 0.1 s of prefill predicted, with the 20% margin: start by 1.38 s.
     assert commands == [SetTimer("c", pytest.approx(1.38))]
@@ -535,7 +551,7 @@ def test_a_request_that_waits_on_a_prediction_gets_a_wake_up_at_its_latest_start
 
 def test_the_wake_up_preempts_when_the_prediction_was_2x_too_optimistic():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)  # predicted 1 s; really takes 2 s
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # predicted 1 s; really takes 2 s
     sched.handle(RequestArrived("c", "critical", 100), 0.5)
     # No event arrives before the wake-up: the batch request is still running at 1.38 s.
     assert sched.handle(TimerFired("c"), 1.38) == [Preempt("b", "w0", drop_state=False)]
@@ -545,7 +561,7 @@ def test_the_wake_up_preempts_when_the_prediction_was_2x_too_optimistic():
 
 def test_the_wake_up_is_cancelled_when_the_request_starts():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # ends 1.0 s, due 1.05 s
     sched.handle(RequestArrived("c", "critical", 100), 0.5)
     assert sched.handle(RequestDone("b", "w0"), 1.0) == [Assign("c", "w0"), CancelTimer("c")]
     assert sched.handle(TimerFired("c"), 1.38) == []  # fired anyway (in flight): ignored
@@ -553,7 +569,7 @@ def test_the_wake_up_is_cancelled_when_the_request_starts():
 
 def test_the_wake_up_is_cancelled_with_its_request():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # ends 1.0 s, due 1.05 s
     sched.handle(RequestArrived("c", "critical", 100), 0.5)
     assert sched.handle(RequestCancelled("c"), 0.6) == [CancelTimer("c")]
 
@@ -580,9 +596,10 @@ def test_per_layer_progress_corrects_the_estimate_within_a_chunk():
 
 def test_per_layer_progress_turns_a_decision_to_wait_into_a_preemption():
     sched = make("flowprefill")
-    arrive(sched, "b", "batch", 1000, 0.0)
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # ends 1.0 s, due 1.05 s
     assert arrive(sched, "c", "critical", 100, 0.5) == []  # waits: b predicted to end at 1.0
-    # At 0.9 s b reports half of its layers: 0.5 s left, c would end at 1.52 > 1.5.
+    # At 0.9 s b reports half of its layers: 0.5 s left. b misses its deadline anyway (and c
+    # would end at 1.52 > 1.5 behind it): stopping it costs nothing more.
     progress = PrefillProgress("b", "w0", 0, layers_done=6, num_layers=12, chunk_end=1000)
     assert step(sched, progress, 0.9) == [Preempt("b", "w0", drop_state=False)]
 
@@ -598,10 +615,10 @@ def test_flowprefill_a_late_request_does_not_preempt_a_late_request_of_its_tier(
 
 def test_progress_reports_decide_at_most_every_interval():
     sched = make("flowprefill", progress_decision_interval_s=0.02)
-    arrive(sched, "b", "batch", 1000, 0.0)
+    arrive_due_soon(sched, "b", "standard", 1000, 0.0)  # ends 1.0 s, due 1.05 s
     assert arrive(sched, "c", "critical", 100, 0.5) == []  # waits: b predicted to end at 1.0
-    # b reports 1 of 12 layers: ~0.92 s left, so c would miss by waiting. 5 ms after the last
-    # decision the estimate is updated but nothing is decided...
+    # b reports 1 of 12 layers: ~0.92 s left, so b is late and c would miss by waiting. 5 ms
+    # after the last decision the estimate is updated but nothing is decided...
     progress = PrefillProgress("b", "w0", 0, layers_done=1, num_layers=12, chunk_end=1000)
     assert step(sched, progress, 0.505) == []
     assert sched.request("b").chunk_fraction == pytest.approx(1 / 12)

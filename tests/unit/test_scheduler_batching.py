@@ -38,7 +38,7 @@ def first_token(sched, rid, now, tokens=100):
 def test_the_next_prefill_starts_while_the_first_request_decodes():
     sched = batched(kv_slots=3)
     assert arrive(sched, "a", "batch", 500, 0.0, new_tokens=200) == [Assign("a", "w0")]
-    assert arrive(sched, "b", "standard", 200, 0.1, new_tokens=200) == []  # prefill busy
+    assert arrive(sched, "b", "batch", 200, 0.1, new_tokens=200) == []  # prefill busy
     # Unbatched, a would hold the worker for 200 tokens of decode; batched, b starts now.
     assert first_token(sched, "a", 0.5) == [Assign("b", "w0")]
     assert sched.state_of("a") is RequestState.DECODING

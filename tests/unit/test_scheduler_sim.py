@@ -121,10 +121,12 @@ class FakeCluster:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, item))
 
-    def arrive(self, t, rid, tier, prompt, new_tokens=0):
+    def arrive(self, t, rid, tier, prompt, new_tokens=0, admitted_at=None):
+        """``admitted_at``: when the request was admitted, if earlier than its delivery ``t``."""
         self.specs[rid] = (prompt, new_tokens)
         self.arrival_at[rid] = t
-        self._push(t, ("client", RequestArrived(rid, tier, prompt, new_tokens)))
+        event = RequestArrived(rid, tier, prompt, new_tokens, arrival_s=admitted_at)
+        self._push(t, ("client", event))
 
     def cancel(self, t, rid):
         self._push(t, ("client", RequestCancelled(rid)))
@@ -439,7 +441,9 @@ def test_chunked_switches_at_chunk_ends_and_flowprefill_within_a_layer():
 
 def behind_a_mispredicted_prefill(fire_timers: bool) -> FakeCluster:
     # The document's prefill really takes 2x its prediction (4 s, predicted 2 s), and one chunk
-    # holds the whole prompt, so no progress report corrects the estimate in time.
+    # holds the whole prompt, so no progress report corrects the estimate in time. It is a
+    # standard request admitted long before (deadline 2.05 s): stopping it would cost it its
+    # deadline, so flowprefill lets a newcomer wait on the prediction instead.
     cluster = FakeCluster(
         scheduler("flowprefill"),
         chunk_tokens=4096,
@@ -447,7 +451,7 @@ def behind_a_mispredicted_prefill(fire_timers: bool) -> FakeCluster:
         fire_timers=fire_timers,
     )
     cluster.join(0.0, "w0")
-    cluster.arrive(0.0, "doc", "batch", 2000)
+    cluster.arrive(0.0, "doc", "standard", 2000, admitted_at=-2.95)
     # At 1.5 s the document is predicted to end at 2.0 s: the critical request (0.1 s of
     # prefill, deadline 2.5 s) waits, with a wake-up at its latest start.
     cluster.arrive(1.5, "c", "critical", 100)
