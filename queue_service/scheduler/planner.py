@@ -98,12 +98,14 @@ def guard_tiers(
     now: float,
     workers: Sequence[WorkerSlot],
 ) -> list[Request]:
-    """``ranked`` with every request the policy ``guarded`` moved before the lower-tier
-    requests ranked ahead of it (keeping the order of the rest).
+    """``ranked`` with the policy's tier guard applied: a request that can still make its
+    deadline moves before the lower-tier requests ranked ahead of it, except those that
+    ``holds_off`` (they would miss their own deadline behind it), unless it would miss its own
+    behind those (``guarded``). The rest keeps its order.
 
     The wait in front of a request is the predicted work ranked ahead of it, spread over the
-    workers: the same start time ``choose_preemptions`` sees, so that a request that preempted
-    by the guard also ranks first when its worker frees (no preempt/resume loop).
+    workers: the start time ``choose_preemptions`` sees, so that a request that preempted by
+    the guard also ranks first when its worker frees (no preempt/resume loop).
     """
     lanes = max(1, len(workers))
     busy = (
@@ -113,24 +115,31 @@ def guard_tiers(
     )
     cost = {r.request_id: busy(r, now) for r in (*aged, *ranked)}
     margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
+    aged_cost = sum(cost[r.request_id] for r in aged)
+
+    def moved_forward(prefix: list[Request], req: Request) -> list[Request] | None:
+        mine = left[req.request_id]
+        if req.prefilled or not policy.on_time(req, now, mine, switch_s):
+            return None  # late work keeps the place ``key`` gives it
+        keep = [r for r in prefix if r.tier.rank <= req.tier.rank]
+        lower = [r for r in prefix if r.tier.rank > req.tier.rank]
+        urgent = [
+            r for r in lower if policy.holds_off(r, now, left[r.request_id], mine, margin, switch_s)
+        ]
+        ahead = aged_cost + sum(cost[r.request_id] for r in (*keep, *urgent))
+        if policy.guarded(req, now, ahead / lanes, mine, margin, switch_s):
+            return [*keep, req, *lower]
+        rest = [r for r in lower if r not in urgent]
+        return [*keep, *urgent, req, *rest] if rest else None
+
     order = list(ranked)
-    ahead = sum(cost[r.request_id] for r in aged)
-    lowest_rank_ahead = -1  # the largest tier rank among order[:i]
     i = 0
     while i < len(order):
         req = order[i]
-        rank = req.tier.rank
-        if lowest_rank_ahead > rank and policy.guarded(
-            req, now, ahead / lanes, left[req.request_id], margin, switch_s
-        ):
-            keep = [r for r in order[:i] if r.tier.rank <= rank]
-            lower = [r for r in order[:i] if r.tier.rank > rank]
-            order[: i + 1] = [*keep, req, *lower]
-            i = len(keep)
-            ahead = sum(cost[r.request_id] for r in (*aged, *keep))
-            lowest_rank_ahead = max((r.tier.rank for r in keep), default=-1)
-        ahead += cost[req.request_id]
-        lowest_rank_ahead = max(lowest_rank_ahead, rank)
+        if any(r.tier.rank > req.tier.rank for r in order[:i]):
+            prefix = moved_forward(order[:i], req)
+            if prefix is not None:
+                order[: i + 1] = prefix
         i += 1
     return order
 

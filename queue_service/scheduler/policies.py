@@ -18,9 +18,9 @@ Policies (docs/design.md, "Scheduling"):
   recompute    tier order; preempts on any strictly higher waiting tier, dropping the state
                (SGLang/vLLM recompute-style); the engine stops at the next layer
   flowprefill  EDF over deadlines, late work re-deadlined within its tier, and a tier guard
-               (see ``FlowPrefill``); preempts only when a waiting request outranks the
-               running one AND the running one is a lower tier's prefill that can spare the
-               time, or the waiting one would miss its SLO by waiting (predictions inflated by the
+               (see ``FlowPrefill``); preempts a lower tier's prefill that can spare the time,
+               or, when a waiting request outranks the running one, if it would miss its SLO
+               by waiting (predictions inflated by the
                predictor's observed error), or is late already, or its wake-up fired; or when
                the tier guard asks for it; the engine stops at the next layer; state kept. A
                request that waits on a prediction gets a wake-up at the last moment a
@@ -104,9 +104,27 @@ class SchedulingPolicy(ABC):
         margin: float,
         switch_s: float,
     ) -> bool:
-        """Whether ``req`` must go before lower-tier work that ``key`` ranks ahead of it, when
-        that work (``ahead_s`` of it) would otherwise run first. Only if ``guards_tiers``."""
+        """Whether ``req`` misses its deadline behind ``ahead_s`` of work while it could still
+        make it: it must go before lower-tier work, whatever that work's needs. Only if
+        ``guards_tiers``."""
         return False
+
+    def holds_off(
+        self,
+        lower: Request,
+        now: float,
+        lower_left_s: float,
+        higher_left_s: float,
+        margin: float,
+        switch_s: float,
+    ) -> bool:
+        """Whether lower-tier ``lower`` keeps its place before a higher-tier request that
+        ``key`` ranks after it. Only if ``guards_tiers``."""
+        return True
+
+    def on_time(self, req: Request, now: float, remaining_s: float, switch_s: float) -> bool:
+        """Whether ``req`` can still make its deadline if it started now."""
+        return slack_s(req, now + switch_s, remaining_s) >= 0
 
     def victim_key(
         self, running: Request, now: float, remaining_s: float, delay_s: float
@@ -175,19 +193,18 @@ class FlowPrefill(SchedulingPolicy):
     standard request (now + 3 s) never before a critical request that can make its deadline.
     A decoding request (first token out) keeps its tier's urgency the same way.
 
-    Tier guard (``guarded``): EDF alone lets lower-tier work with an earlier deadline run
-    first and make a higher-tier request miss, when both cannot be served in time. So a
-    request that can still make its deadline, but would miss it behind lower-tier work that
-    EDF ranks first (or whose wake-up fired), goes before that work, and preempts it if it
-    runs. Lower tiers never preempt a higher tier's prefill, which keeps the two rules from
-    undoing each other.
+    Tier guard (``holds_off``, ``guarded``): a request that can still make its deadline goes
+    before lower-tier work that EDF ranks first, and preempts it if it runs, unless that work
+    would miss its own deadline by waiting for it (then it keeps its turn) and the request can
+    afford to wait (else it goes first anyway). Stopping a prefill costs it one layer and no
+    work, while waiting on a prediction loses the deadline whenever the prediction is wrong.
+    Lower tiers never preempt a higher tier's prefill, so the two rules cannot undo each other.
 
-    Preemption (``should_preempt``), only of a request ranked behind the waiting one: of a
-    lower tier's prefill, unless stopping it costs that request its own deadline; when the
-    waiting request would miss its deadline by waiting, with predictions inflated by the
-    predictor's observed error margin; when it is late already (waiting only adds to its
-    TTFT) and the running request is of a lower tier; or when its wake-up fired (it waited on
-    a prediction that turned out wrong). And of lower-tier work ranked first, by the guard.
+    Preemption (``should_preempt``): by the tier guard; otherwise only of a request ranked
+    behind the waiting one, when the waiting request would miss its deadline by waiting, with
+    predictions inflated by the predictor's observed error margin; when it is late already
+    (waiting only adds to its TTFT) and the running request is of a lower tier; or when its
+    wake-up fired (it waited on a prediction that turned out wrong).
 
     ``switch_s``: the least time assumed for a preemption to take effect; the scheduler
     passes the observed p95 (about one layer) when that is longer.
@@ -219,42 +236,41 @@ class FlowPrefill(SchedulingPolicy):
         if waiting.tier.rank > running.tier.rank and not running.prefilled:
             return False  # lower tiers never stop a higher tier's prefill
         switch = max(self.switch_s, outlook.switch_s)
+        wait_left, run_left = outlook.waiting_remaining_s, outlook.running_remaining_s
+        on_time = slack_s(waiting, now + switch, wait_left) >= 0
+        if on_time and waiting.tier.rank < running.tier.rank and not running.prefilled:
+            # The tier guard, whatever the deadlines' order (the same rule as the ranking).
+            return not self.holds_off(
+                running, now, run_left, wait_left, outlook.margin, switch
+            ) or self.guarded(waiting, now, outlook.wait_s, wait_left, outlook.margin, switch)
         # Same order as the queue: a request preempted for another must not rank first again
         # once the worker is free (that would be a preempt/resume loop).
-        if not self.key(waiting, now, outlook.waiting_remaining_s) < self.key(
-            running, now, outlook.running_remaining_s
-        ):
-            return waiting.tier.rank < running.tier.rank and self.guarded(
-                waiting,
-                now,
-                outlook.wait_s,
-                outlook.waiting_remaining_s,
-                outlook.margin,
-                outlook.switch_s,
-            )
+        if not self.key(waiting, now, wait_left) < self.key(running, now, run_left):
+            return False
         if outlook.due:
             return True
-        if slack_s(waiting, now + switch, outlook.waiting_remaining_s) < 0:
+        if not on_time:
             # Late: it may stop lower-tier work (waiting only adds to its TTFT), but not work
             # of its own tier or above, which is on time or, late too, due no later.
             return running.tier.rank > waiting.tier.rank and outlook.wait_s > switch
-        if running.tier.rank > waiting.tier.rank and not running.prefilled:
-            # Across tiers, stopping a prefill costs it about one layer and no work (its state
-            # is kept), while waiting on a prediction loses the deadline whenever the
-            # prediction is wrong. So wait only when stopping would cost the running request
-            # its own deadline.
-            return not self._stop_costs_deadline(running, now, outlook, switch)
-        return misses_behind(
-            waiting, now, outlook.wait_s, outlook.waiting_remaining_s, outlook.margin, switch
-        )
+        return misses_behind(waiting, now, outlook.wait_s, wait_left, outlook.margin, switch)
 
-    @staticmethod
-    def _stop_costs_deadline(running: Request, now: float, outlook: Outlook, switch: float) -> bool:
-        """Whether ``running``, on time now, would miss its deadline if held off for the
-        waiting request's prefill (inflated by the margin) and two switches."""
-        left = outlook.running_remaining_s
-        held = outlook.waiting_remaining_s * (1 + outlook.margin) + 2 * switch
-        return slack_s(running, now, left) >= 0 and slack_s(running, now + held, left) < 0
+    def holds_off(
+        self,
+        lower: Request,
+        now: float,
+        lower_left_s: float,
+        higher_left_s: float,
+        margin: float,
+        switch_s: float,
+    ) -> bool:
+        """Whether lower-tier prefill ``lower``, on time now, would miss its deadline if held
+        off for a higher-tier prefill of ``higher_left_s`` (inflated by the margin) and two
+        switches: then, and only then, it keeps its turn before that request."""
+        if lower.prefilled:
+            return False
+        held = higher_left_s * (1 + margin) + 2 * max(self.switch_s, switch_s)
+        return slack_s(lower, now, lower_left_s) >= 0 > slack_s(lower, now + held, lower_left_s)
 
     def guarded(
         self,
@@ -265,14 +281,15 @@ class FlowPrefill(SchedulingPolicy):
         margin: float,
         switch_s: float,
     ) -> bool:
-        if req.prefilled:
-            return False
-        switch = max(self.switch_s, switch_s)
-        if slack_s(req, now + switch, remaining_s) < 0:
+        if req.prefilled or not self.on_time(req, now, remaining_s, switch_s):
             return False  # late: the late-work rule of ``key`` decides
         if req.due:
             return True  # its wake-up fired: the prediction it waited on was wrong
+        switch = max(self.switch_s, switch_s)
         return misses_behind(req, now, ahead_s, remaining_s, margin, switch)
+
+    def on_time(self, req: Request, now: float, remaining_s: float, switch_s: float) -> bool:
+        return slack_s(req, now + max(self.switch_s, switch_s), remaining_s) >= 0
 
     def latest_start_s(
         self, req: Request, now: float, remaining_s: float, margin: float, switch_s: float
