@@ -20,9 +20,9 @@ Policies (docs/design.md, "Scheduling"):
   flowprefill  EDF over deadlines, late work re-deadlined within its tier, and a tier guard
                (see ``FlowPrefill``); preempts a lower tier's prefill that can spare the time,
                or, when a waiting request outranks the running one, if it would miss its SLO
-               by waiting (predictions inflated by the
-               predictor's observed error), or is late already, or its wake-up fired; or when
-               the tier guard asks for it; the engine stops at the next layer; state kept. A
+               by waiting (predictions inflated by the predictor's observed error), or is
+               late already, or its wake-up fired; the engine stops at the next layer; state
+               kept. A
                request that waits on a prediction gets a wake-up at the last moment a
                preemption still saves it (``latest_start_s``).
 """
