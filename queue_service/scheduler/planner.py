@@ -183,7 +183,8 @@ def choose_preemptions(
     rules: Rules,
     now: float,
 ) -> list[tuple[Request, Request]]:
-    """(victim, beneficiary) pairs: running requests to preempt, and for whom.
+    """(victim, beneficiary, drop_state): running requests to preempt, for whom, and whether
+    the victim's state is dropped (the policy's rule, or its worker's suspended states full).
 
     ``waiting``: the ranked requests that found no free worker. Walks them best first while
     simulating when each would start if nothing were preempted (list scheduling on the
@@ -214,7 +215,7 @@ def choose_preemptions(
     batched = {w.worker_id: w.batched for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
 
-    chosen: list[tuple[Request, Request]] = []
+    chosen: list[tuple[Request, Request, bool]] = []
     for req in waiting:
         if not victims:
             break
@@ -227,17 +228,18 @@ def choose_preemptions(
             target = min(free_at, key=lambda wid: (free_at[wid], seq[wid]))
         start = free_at[target]
         busy = (estimator.prefill_left if batched[target] else estimator.busy_left)(req, now)
-        victim = None
+        picked = None
         if not rules.aged(req, now):
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
             # old batch request from evicting a premium one.
-            victim = _pick_victim(
+            picked = _pick_victim(
                 req, pinned, start - now, busy, victims, suspended, policy, estimator, rules, now
             )
-        if victim is None:
+        if picked is None:
             free_at[target] = start + busy  # it would take that worker when it frees
             continue
-        chosen.append((victim, req))
+        victim, drop = picked
+        chosen.append((victim, req, drop))
         assert victim.worker_id is not None
         del victims[victim.worker_id]
         free_at[victim.worker_id] = now + busy
@@ -255,26 +257,31 @@ def _pick_victim(
     estimator: Estimator,
     rules: Rules,
     now: float,
-) -> Request | None:
+) -> tuple[Request, bool] | None:
+    """The running request to preempt for ``req``, and whether its state must be dropped."""
     waiting_left = estimator.prefill_left(req, now)
     margin = estimator.errors.margin()
     switch_s = estimator.switch.p95()
-    eligible: list[tuple[SortKey, Request]] = []
+    eligible: list[tuple[tuple[bool, SortKey], Request, bool]] = []
     for worker_id, running in victims.items():
         if pinned is not None and worker_id != pinned:
             continue  # a suspended request can only run where its state is
-        if not policy.drop_state:
+        # Past the cap on suspended states (memory), the victim's state is dropped: it is
+        # recomputed later, which beats a higher tier waiting behind it.
+        drop = policy.drop_state
+        if not drop:
             # The victim's state stays on its worker; a resumed beneficiary frees one slot.
             held = suspended[worker_id] - (1 if pinned == worker_id else 0)
-            if held >= rules.max_suspended_per_worker:
-                continue
+            drop = held >= rules.max_suspended_per_worker
         running_left = estimator.prefill_left(running, now)
         outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due, switch_s)
         if policy.should_preempt(req, running, now, outlook):
-            eligible.append((policy.victim_key(running, now, running_left, busy_s), running))
+            key = policy.victim_key(running, now, running_left, busy_s)
+            eligible.append(((drop and not policy.drop_state, key), running, drop))
     if not eligible:
         return None
-    return min(eligible, key=lambda kv: kv[0])[1]
+    _, victim, drop = min(eligible, key=lambda kv: kv[0])
+    return victim, drop
 
 
 def wakeups(

@@ -337,7 +337,7 @@ class Scheduler:
         if self.policy.preempts:
             placed = {req.request_id for req, _ in placements}
             still_waiting = [r for r in ranked if r.request_id not in placed]
-            for victim, beneficiary in planner.choose_preemptions(
+            for victim, beneficiary, drop in planner.choose_preemptions(
                 still_waiting,
                 workers,
                 self._requests,
@@ -346,7 +346,7 @@ class Scheduler:
                 self._rules,
                 now,
             ):
-                commands.append(self._preempt(victim, beneficiary))
+                commands.append(self._preempt(victim, beneficiary, drop))
         return commands + self._decode_pressure(ranked, workers, now) + self._reconcile_timers(now)
 
     def _waiting_prefills(self) -> list[Request]:
@@ -424,13 +424,13 @@ class Scheduler:
         self._counters["assigns"] += 1
         return Assign(req.request_id, worker.worker_id)
 
-    def _preempt(self, victim: Request, beneficiary: Request) -> Command:
+    def _preempt(self, victim: Request, beneficiary: Request, drop_state: bool) -> Command:
         assert victim.worker_id is not None
         victim.state = RequestState.PREEMPTING
         victim.preemptions += 1
         self._workers[victim.worker_id].reserved_for = beneficiary.request_id
         self._counters["preemptions"] += 1
-        return Preempt(victim.request_id, victim.worker_id, drop_state=self.policy.drop_state)
+        return Preempt(victim.request_id, victim.worker_id, drop_state=drop_state)
 
     def _overload_reason(self, now: float) -> str | None:
         queued = sum(1 for r in self._requests.values() if r.waiting and r.tier.sheddable)
