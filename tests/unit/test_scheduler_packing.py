@@ -44,8 +44,9 @@ def first_token(sched, rid, now, tokens=100, prefill_s=0.1, pack_tokens=0):
     return step(sched, PrefillFinished(rid, "w0", tokens, prefill_s, pack_tokens), now)
 
 
-def busy_with(sched, rid="long", tier="batch", tokens=400) -> None:
-    """The worker prefills ``rid`` from t=0, so that the next arrivals wait for it."""
+def busy_with(sched, rid="long", tier="critical", tokens=400) -> None:
+    """The worker prefills ``rid`` from t=0, so that the next arrivals wait for it (a critical
+    request: no later arrival may preempt it)."""
     assert arrive(sched, rid, tier, tokens, 0.0, new_tokens=50) == [Assign(rid, "w0")]
 
 
@@ -112,7 +113,7 @@ def test_no_pack_without_free_kv_slots_nor_on_an_unbatched_worker():
 
 def test_a_pack_is_preempted_and_resumed_as_one_unit():
     sched = batched()
-    busy_with(sched)
+    busy_with(sched, tier="batch")
     for i, rid in enumerate(("a", "b")):
         assert arrive(sched, rid, "batch", 200, 0.1 + 0.01 * i) == []
     assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
@@ -157,7 +158,7 @@ def test_measured_packs_teach_the_pack_cost():
 
     def pair_after_a_blocker(i: int, now: float) -> list:
         blocker, ids = f"blk{i}", (f"p{i}a", f"p{i}b")
-        assert arrive(sched, blocker, "batch", 100, now) == [Assign(blocker, "w0")]
+        assert arrive(sched, blocker, "critical", 100, now) == [Assign(blocker, "w0")]
         for rid in ids:
             assert arrive(sched, rid, "critical", 150, now + 0.01) == []
         commands = first_token(sched, blocker, now + 0.1)
