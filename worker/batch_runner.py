@@ -377,14 +377,23 @@ class BatchRunner:
             progress.busy_s += now - progress.run_started
         with self._lock:
             self._running, self._head = frozenset(), None
-            late_cancel = self.channel.signal is Signal.CANCEL
+            signal = self.channel.signal
             self.channel.clear()
-        if late_cancel and outcome is not None and outcome.status is RunStatus.PREEMPTED:
+        stopped = outcome is not None and outcome.status is RunStatus.PREEMPTED
+        if signal is Signal.CANCEL and stopped:
             for rid in ids:
                 self._on_cancel(rid)
             return
         for task in self._live(tasks):
             self._report(task, pack, outcome, error, now, recompute)
+        if signal in (Signal.PREEMPT, Signal.PREEMPT_DROP) and outcome is not None and not stopped:
+            # The Preempt came after the last checked boundary (at chunk ends only, or just as
+            # the prefill ended): the first tokens are out, so it pauses those requests, as a
+            # PauseDecode would; the scheduler waits for that acknowledgement.
+            drop = signal is Signal.PREEMPT_DROP
+            for task in self._live(tasks):
+                if task.phase is Phase.DECODE:
+                    self._on_pause((task.request_id, drop))
 
     def _live_one(self, rid: str) -> list[Task]:
         entry = self._entries.get(rid)

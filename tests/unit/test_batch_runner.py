@@ -190,6 +190,30 @@ def test_a_packed_prefill_is_preempted_and_resumed_as_one_and_stays_exact(tiny_l
     assert runner.engine.pool.used_slots == 0 and runner.suspended_bytes == 0
 
 
+def test_a_preempt_that_misses_the_last_boundary_pauses_the_decode_and_is_acknowledged(
+    tiny_llama,
+):
+    """With checks at chunk ends only (the chunked baseline), a Preempt inside a prompt's only
+    chunk finds its first token out: the request is paused (and acknowledged), not lost."""
+    model = tiny_llama.model
+    stream = Stream()
+    engine = BatchEngine(model, EngineConfig(chunk_size=64, check="chunk"), BatchConfig(4, 4, 160))
+    runner = stream.runner = BatchRunner(engine, stream).start()
+    ids = prompt(30, 500, seed=9)
+    trigger = PreemptInside(model, runner, "m", after=2)
+    try:
+        runner.assign(greedy("m", ids, 8))
+        acked, before = stream.until(Preempted, "m")
+        trigger.remove()
+        assert not acked.state_dropped and any(isinstance(e, FirstToken) for e in before)
+        runner.resume("m")
+        events = before + drain(stream, ["m"])
+    finally:
+        trigger.remove()
+        runner.stop()
+    assert collect_tokens(events)["m"] == reference(model, ids, 8)[0]
+
+
 def test_bad_requests_fail_clearly_and_the_runner_keeps_serving(tiny_llama):
     model = tiny_llama.model
     stream = Stream()
