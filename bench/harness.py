@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.core.dispatcher import Dispatcher
 from queue_service.scheduler import (
+    DecodeStepDone,
     Event,
     PreemptionAcked,
     PrefillFinished,
@@ -33,10 +34,12 @@ from queue_service.scheduler import (
     RequestDone,
     Scheduler,
 )
+from worker import events as runner_events
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
 from worker.engine import PrefillEngine
 from worker.events import (
+    DecodeRejoined,
     Failed,
     Finished,
     FirstToken,
@@ -63,6 +66,12 @@ class RequestRecord:
     first_token: int | None = None
     token_times: list[float] = field(default_factory=list)  # every token's engine timestamp
 
+    def token(self, index: int, at: float) -> None:
+        """The ``index``-th output token came out at ``at``; one produced again (a recompute
+        from token 0) is not counted twice."""
+        if index == len(self.token_times):
+            self.token_times.append(at)
+
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrived_at
@@ -85,6 +94,10 @@ class RunResult:
     events: int = 0  # events handed to the scheduler
     progress_events: int = 0
     prediction_errors: dict = field(default_factory=dict)  # PredictionErrors.summary()
+    decode_steps: int = 0  # batched workers: decode steps, and rows over all of them
+    decode_rows: int = 0
+    slotted_steps: int = 0  # of them, run at a layer boundary of a prefill
+    counters: dict = field(default_factory=dict)  # the scheduler's (packs, pauses, ...)
 
 
 class InProcessWorker:
@@ -105,6 +118,17 @@ class InProcessWorker:
             self.runner.assign(self.request_for(request_id), self.tbt_for(request_id))
         else:
             self.runner.assign(self.request_for(request_id))
+
+    def assign_packed(self, request_ids: tuple[str, ...]) -> None:
+        if not isinstance(self.runner, BatchRunner):
+            raise TypeError("packed prefill needs a batched worker")
+        requests = [self.request_for(rid) for rid in request_ids]
+        self.runner.assign_packed(requests, [self.tbt_for(rid) for rid in request_ids])
+
+    def pause_decode(self, request_id: str, drop_state: bool) -> None:
+        if not isinstance(self.runner, BatchRunner):
+            raise TypeError("pause_decode needs a batched worker")
+        self.runner.pause_decode(request_id, drop_state=drop_state)
 
     def resume(self, request_id: str) -> None:
         self.runner.resume(request_id)
@@ -154,8 +178,14 @@ def scheduler_event(worker_id: str, event: RunnerEvent) -> Event | None:
             )  # fmt: skip
         case FirstToken():
             return PrefillFinished(
-                event.request_id, worker_id, event.prompt_tokens, event.prefill_busy_s
-            )
+                event.request_id, worker_id, event.prompt_tokens, event.prefill_busy_s,
+                event.pack_tokens,
+            )  # fmt: skip
+        case DecodeRejoined():
+            # Decoding again after a recompute: the scheduler's "prefill done" (not timed).
+            return PrefillFinished(event.request_id, worker_id, event.recomputed_tokens, 0.0)
+        case runner_events.DecodeStepDone():
+            return DecodeStepDone(worker_id, len(event.request_ids), event.seconds, event.slotted)
         case Preempted():
             return PreemptionAcked(
                 event.request_id,
@@ -259,14 +289,18 @@ class _Run:
         )
 
     def _record(self, event: RunnerEvent) -> None:
+        if isinstance(event, runner_events.DecodeStepDone):
+            self._record_step(event)
+            return
         record = self.records[event.request_id]
         match event:
             case FirstToken():
-                record.first_token_at = event.at
-                record.first_token = event.token_id
-                record.token_times.append(event.at)
+                if record.first_token_at is None:  # a recompute's does not count again
+                    record.first_token_at = event.at
+                    record.first_token = event.token_id
+                record.token(0, event.at)
             case TokenOut():
-                record.token_times.append(event.at)
+                record.token(event.index, event.at)
             case Preempted():
                 record.preemptions += 1
                 record.recomputes += event.state_dropped
@@ -281,6 +315,13 @@ class _Run:
                 self.unfinished -= 1
                 self.on_progress()
 
+    def _record_step(self, step: runner_events.DecodeStepDone) -> None:
+        for rid, index in zip(step.request_ids, step.indexes, strict=True):
+            self.records[rid].token(index, step.at)
+        self.result.decode_steps += 1
+        self.result.decode_rows += len(step.request_ids)
+        self.result.slotted_steps += step.slotted
+
     def finish(self) -> RunResult:
         for runner in self.runners.values():
             runner.stop()
@@ -288,6 +329,7 @@ class _Run:
         self.result.makespan_s = time.perf_counter() - self.start
         self.result.decide_s, self.result.events = stats.decide_s, stats.events
         self.result.prediction_errors = self.dispatcher.scheduler.prediction_errors.summary()
+        self.result.counters = self.dispatcher.scheduler.counters
         return self.result
 
 

@@ -47,15 +47,27 @@ def summarise(result: RunResult, tiers: TierTable) -> dict:
             "preemptions": sum(r.preemptions for r in mine),
             "completed_tok_s": _completed_tokens(accepted) / wall if wall else 0.0,
             "ttft_samples_ms": sorted(ttfts),
+            **_tbt(accepted, tier.tbt_slo_s),
         }
     completed = [r for r in records if r.done_at is not None and r.failed is None]
     tokens = sum(r.arrival.prompt_tokens for r in completed)
     latencies = [s * 1000 for s in result.preemption_latencies_s]
     top = min(tiers, key=lambda t: t.rank).name
     lower = [r for r in records if r.arrival.tier != top and r.rejected is None]
+    steps = result.decode_steps
     return {
         # Completed tokens (prompt + output) per wall-clock second of the whole run.
         "completed_tok_s": _completed_tokens(records) / wall if wall else 0.0,
+        "output_tok_s": _output_tokens(completed) / wall if wall else 0.0,
+        "decode": {  # batched workers: steps, their mean rows, those slotted into a prefill
+            "steps": steps,
+            "mean_rows": result.decode_rows / steps if steps else 0.0,
+            "slotted_steps": result.slotted_steps,
+        },
+        "packs": result.counters.get("packs", 0),
+        "packed_requests": result.counters.get("packed_requests", 0),
+        "decode_pauses": result.counters.get("decode_pauses", 0),
+        "decode_drops": result.counters.get("decode_drops", 0),
         "lower_tier_completed_tok_s": _completed_tokens(lower) / wall if wall else 0.0,
         "prediction_error": result.prediction_errors,
         "scheduler": {
@@ -77,9 +89,29 @@ def summarise(result: RunResult, tiers: TierTable) -> dict:
     }
 
 
+def _tbt(records, target_s: float | None) -> dict:
+    """Times between consecutive tokens of the tier's requests, pooled: p50 / p99, and the
+    share within the tier's TBT target (NaN without a target or a second token)."""
+    gaps = [g * 1000 for r in records for g in r.tbt_s]
+    within = float("nan")
+    if gaps and target_s:
+        within = sum(g <= target_s * 1000 for g in gaps) / len(gaps)
+    return {
+        "tbt_ms": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
+        "tbt_slo_ms": target_s * 1000 if target_s else None,
+        "tbt_attainment": within,
+        "output_tokens": _output_tokens(r for r in records if r.done_at is not None),
+    }
+
+
+def _output_tokens(records) -> int:
+    """Tokens the requests streamed (each once)."""
+    return sum(len(r.token_times) for r in records if r.failed is None)
+
+
 def _completed_tokens(records) -> int:
-    done = (r for r in records if r.done_at is not None and r.failed is None)
-    return sum(r.arrival.prompt_tokens + r.arrival.max_new_tokens for r in done)
+    done = [r for r in records if r.done_at is not None and r.failed is None]
+    return sum(r.arrival.prompt_tokens for r in done) + _output_tokens(done)
 
 
 def wilson_interval(successes: int, n: int) -> tuple[float, float]:

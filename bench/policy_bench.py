@@ -6,6 +6,11 @@ per policy, each policy with the engine configured as it needs (``engine_for_pol
 table per policy and tier, writes JSON and a PNG of TTFT CDFs. ``--sweep-rate`` then finds each
 policy's goodput: the highest arrival rate at which every tier meets its SLO for at least 90% of
 its requests.
+
+With ``kv_slots`` > 0 every policy runs on batched workers (``worker.batch_engine``: one prefill
+at a time, the rest decoding in one batch, decode steps slotted into prefills by each tier's
+TBT target, packed prefills when the scheduler finds them safe), the same batching for all;
+requests then produce outputs of up to ``max_new_tokens``, and TBT is reported next to TTFT.
 """
 
 from __future__ import annotations
@@ -38,9 +43,15 @@ from queue_service.scheduler import (
     make_policy,
 )
 from tierflow.tiers import TierTable, load_tiers
+from worker.batch_engine import BatchEngine
+from worker.config import BatchConfig
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
+
+# With batched workers, the longest output by default: scaled to what this 2-core CPU decodes
+# in a run (bench-llama); synthetic outputs spread below it (bench.workload.output_lengths).
+BATCHED_MAX_NEW_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,10 @@ class PolicyBenchConfig:
     predictor_file: Path | None = None
     sweep_factors: tuple[float, ...] = ()
     sweep_duration_s: float = 30.0
+    # Batched workers (0: unbatched, one request at a time) and the longest synthetic output.
+    kv_slots: int = 0
+    max_batch_size: int = BatchConfig.max_batch_size
+    max_new_tokens: int = 1
 
     @classmethod
     def quick(cls, **overrides) -> PolicyBenchConfig:
@@ -71,10 +86,23 @@ def engine_for_policy(policy_name: str, cfg: PolicyBenchConfig) -> EngineConfig:
     return EngineConfig(chunk_size=chunk, check=policy.engine_check)
 
 
+def make_engines(model, policy_name: str, cfg: PolicyBenchConfig, workload: Workload) -> list:
+    """``cfg.workers`` engines for the policy: batched ones when ``cfg.kv_slots`` > 0, each
+    slot sized for the workload's longest request."""
+    config = engine_for_policy(policy_name, cfg)
+    if cfg.kv_slots <= 0:
+        return [PrefillEngine(model, config) for _ in range(cfg.workers)]
+    longest = max(a.prompt_tokens + a.max_new_tokens for a in workload.arrivals)
+    batch = BatchConfig(
+        min(cfg.max_batch_size, cfg.kv_slots), pool_slots=cfg.kv_slots, slot_tokens=longest
+    )
+    return [BatchEngine(model, config, batch) for _ in range(cfg.workers)]
+
+
 def build_workload(cfg: PolicyBenchConfig) -> Workload:
     if cfg.trace is not None:
         return load_trace_workload(cfg.trace, cfg.trace_options)
-    return synthetic(duration_s=cfg.duration_s, seed=cfg.seed)
+    return synthetic(duration_s=cfg.duration_s, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens)
 
 
 def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBenchConfig) -> dict:
@@ -103,7 +131,7 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
     summaries = {}
     for name in cfg.policies:
         bar = progress.add_task(f"{label}{name}", total=len(workload.arrivals))
-        engines = [PrefillEngine(model, engine_for_policy(name, cfg)) for _ in range(cfg.workers)]
+        engines = make_engines(model, name, cfg, workload)
         scheduler = Scheduler(
             make_policy(name),
             tiers,
@@ -122,6 +150,8 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
         summaries[name]["engine"] = {
             "chunk_size": engines[0].config.chunk_size,
             "check": engines[0].config.check,
+            "kv_slots": cfg.kv_slots,
+            "max_batch_size": min(cfg.max_batch_size, cfg.kv_slots) if cfg.kv_slots else 1,
         }
     return summaries
 

@@ -50,7 +50,7 @@ def _tier_table(result: dict) -> Table:
         f"tierflow bench: {result['model']} on {result['device']}, {result['workload']}, "
         f"{result['requests']} requests",
         ("policy", "tier", "n", "done", "rej", "SLO ms", "SLO met", "p50 ms", "p90 ms", "p99 ms",
-         "isolated ms"),
+         "isolated ms", "TBT p50/p99 ms", "TBT met"),
         ("policy", "tier"),
     )  # fmt: skip
     for name, summary in result["policies"].items():
@@ -68,9 +68,22 @@ def _tier_table(result: dict) -> Table:
                 f"{q['p90']:.0f}",
                 f"{q['p99']:.0f}",
                 f"{result['isolated_ttft_ms'].get(tier, float('nan')):.0f}",
+                _tbt_cell(t),
+                _share(t.get("tbt_attainment")),
             )
         table.add_section()
     return table
+
+
+def _tbt_cell(tier: dict) -> str:
+    tbt = tier.get("tbt_ms")
+    if not tbt or tbt["p50"] != tbt["p50"]:  # NaN: no request had a second token
+        return "-"
+    return f"{tbt['p50']:.0f} / {tbt['p99']:.0f}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value * 100:.1f}%"
 
 
 def _totals_table(result: dict) -> Table:
@@ -98,7 +111,8 @@ def _totals_table(result: dict) -> Table:
 def _rates_table(result: dict) -> Table:
     table = _table(
         "per policy: wall-clock throughput, predictor, scheduler cost",
-        ("policy", "completed tok/s", "lower tiers tok/s", "predictor |err| p50 / p95 (n)",
+        ("policy", "completed tok/s", "lower tiers tok/s", "output tok/s", "rows/step",
+         "packs (requests)", "decode pauses / drops", "predictor |err| p50 / p95 (n)",
          "decide us/event", "progress events"),
         ("policy",),
     )  # fmt: skip
@@ -108,6 +122,10 @@ def _rates_table(result: dict) -> Table:
             name,
             f"{s['completed_tok_s']:.0f}",
             f"{s['lower_tier_completed_tok_s']:.0f}",
+            f"{s['output_tok_s']:.1f}",
+            f"{s['decode']['mean_rows']:.1f}",
+            f"{s['packs']} ({s['packed_requests']})",
+            f"{s['decode_pauses']} / {s['decode_drops']}",
             f"{err['abs_p50']:.0%} / {err['abs_p95']:.0%} ({err['n']})",
             f"{s['scheduler']['decide_us_per_event']:.0f}",
             str(s["scheduler"]["progress_events"]),
@@ -142,6 +160,10 @@ def comparison_lines(result: dict) -> list[str]:
     if "priority" in p and p["priority"]["throughput_tok_s"]:
         ratio = fp["throughput_tok_s"] / p["priority"]["throughput_tok_s"]
         lines.append(f"throughput flowprefill / priority: {ratio:.3f}x")
+    best = max((v["completed_tok_s"] for k, v in p.items() if k != "flowprefill"), default=0.0)
+    if best:
+        ratio = fp["completed_tok_s"] / best
+        lines.append(f"completed tok/s (wall clock) flowprefill / best baseline: {ratio:.3f}x")
     lines.append(f"requests lost under flowprefill: {fp['lost']}")
     if "goodput_req_s" in result:
         g = result["goodput_req_s"]

@@ -11,7 +11,8 @@ Traces carry neither tiers nor prompt text, and were recorded on GPUs far faster
 - window: ``start_s`` and ``duration_s`` pick a slice of the trace (seconds from its start);
 - time: ``time_scale`` stretches inter-arrival gaps (2.0 = half the arrival rate);
 - lengths: ``length_scale`` multiplies prompt lengths, then they are clipped to
-  [``min_tokens``, ``max_tokens``]; output lengths are clipped to ``max_new_tokens``;
+  [``min_tokens``, ``max_tokens``]; ``output_scale`` multiplies output lengths, then they are
+  clipped to [1, ``max_new_tokens``] (1 by default: prefill only);
 - tiers, by the rule "short prompts are interactive": a prompt of at most
   ``critical_max_tokens`` (after scaling) is ``critical`` with probability
   ``critical_share``; one of at most ``standard_max_tokens`` is ``standard``; the rest, and the
@@ -46,14 +47,15 @@ class TraceOptions:
     min_tokens: int = 8
     max_tokens: int = 4096
     max_new_tokens: int = 1
+    output_scale: float = 1.0
     critical_max_tokens: int = 128
     critical_share: float = 0.5
     standard_max_tokens: int = 1024
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.time_scale <= 0 or self.length_scale <= 0:
-            raise ValueError("time_scale and length_scale must be positive")
+        if self.time_scale <= 0 or self.length_scale <= 0 or self.output_scale <= 0:
+            raise ValueError("time_scale, length_scale and output_scale must be positive")
         if not 0 <= self.critical_share <= 1:
             raise ValueError("critical_share must be in [0, 1]")
 
@@ -143,7 +145,9 @@ def trace_workload(records: list[TraceRecord], opts: TraceOptions, name: str) ->
                 request_id=f"{tier[:4]}-{i:05d}",
                 tier=tier,
                 prompt_tokens=tokens,
-                max_new_tokens=max(1, min(opts.max_new_tokens, rec.output_tokens)),
+                max_new_tokens=max(
+                    1, min(opts.max_new_tokens, round(rec.output_tokens * opts.output_scale))
+                ),
             )
         )
     return Workload(

@@ -8,6 +8,7 @@ processes, one per tier.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 
@@ -69,9 +70,35 @@ DEFAULT_MIX = (
 )
 
 
+# Output lengths when decode is part of the benchmark: log-normal (most answers short, a long
+# tail), median a quarter of the longest, clipped to [1, max_new_tokens]. Answers to LLM
+# requests look like this (the Azure traces' GeneratedTokens: a median of tens of tokens, a tail
+# of hundreds); the longest is scaled to what this machine decodes in a run.
+OUTPUT_SIGMA = 0.8
+
+
+def output_lengths(count: int, max_new_tokens: int, seed: int) -> list[int]:
+    """``count`` output lengths in [1, ``max_new_tokens``], from an RNG of their own: the
+    arrivals and prompts of a seed are the same whatever the output lengths."""
+    if max_new_tokens <= 1:
+        return [1] * count
+    rng = random.Random(f"{seed}/outputs")
+    median = max_new_tokens / 4
+    return [
+        max(1, min(max_new_tokens, round(rng.lognormvariate(math.log(median), OUTPUT_SIGMA))))
+        for _ in range(count)
+    ]
+
+
 def synthetic(
-    mix: tuple[TierMix, ...] = DEFAULT_MIX, *, duration_s: float = 60.0, seed: int = 0
+    mix: tuple[TierMix, ...] = DEFAULT_MIX,
+    *,
+    duration_s: float = 60.0,
+    seed: int = 0,
+    max_new_tokens: int = 1,
 ) -> Workload:
+    """Poisson arrivals per tier; ``max_new_tokens`` > 1: outputs of ``output_lengths``
+    (else each tier mix's own ``max_new_tokens``)."""
     rng = random.Random(seed)
     arrivals: list[Arrival] = []
     for tier_mix in mix:
@@ -81,8 +108,12 @@ def synthetic(
             arrivals.append(Arrival(t, "", tier_mix.tier, tokens, tier_mix.max_new_tokens))
             t += rng.expovariate(tier_mix.rate_per_s)
     arrivals.sort(key=lambda a: a.at_s)
+    if max_new_tokens > 1:
+        lengths = output_lengths(len(arrivals), max_new_tokens, seed)
+        arrivals = [replace(a, max_new_tokens=n) for a, n in zip(arrivals, lengths, strict=True)]
     numbered = tuple(replace(a, request_id=f"{a.tier[:4]}-{i:04d}") for i, a in enumerate(arrivals))
-    return Workload(f"synthetic {duration_s:g}s seed {seed}", numbered)
+    outputs = f", outputs <= {max_new_tokens}" if max_new_tokens > 1 else ""
+    return Workload(f"synthetic {duration_s:g}s seed {seed}{outputs}", numbered)
 
 
 def prompt_ids(arrival: Arrival, vocab_size: int, seed: int = 0) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from launch.local_stack import StackConfig
 from launch.ops_cli import add_ops_commands
 from tierflow.logging import configure_logging
-from worker.config import EngineConfig
+from worker.config import BatchConfig, EngineConfig
 
 
 def _engine_bench(args: argparse.Namespace) -> int:
@@ -52,15 +52,19 @@ def _batch_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from bench.policy_bench import PolicyBenchConfig, main
+    from bench.policy_bench import BATCHED_MAX_NEW_TOKENS, PolicyBenchConfig, main
     from bench.traces import TraceOptions
 
+    batched = args.batch or args.kv_slots is not None
+    max_new = args.max_new_tokens or (BATCHED_MAX_NEW_TOKENS if batched else 1)
     trace_opts = TraceOptions(
         start_s=args.trace_start[0],
         duration_s=args.duration if args.duration is not None else 60.0,
         time_scale=args.trace_time_scale,
         length_scale=args.trace_length_scale,
         critical_share=args.trace_critical_share,
+        max_new_tokens=max_new,
+        output_scale=args.trace_output_scale,
         seed=args.seed,
     )
     overrides = {
@@ -79,6 +83,9 @@ def _bench(args: argparse.Namespace) -> int:
         "sweep_factors": tuple(float(f) for f in args.sweep_factors.split(","))
         if args.sweep_rate
         else None,
+        "kv_slots": (args.kv_slots or BatchConfig.pool_slots) if batched else None,
+        "max_batch_size": args.max_batch_size,
+        "max_new_tokens": max_new,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
@@ -258,6 +265,27 @@ def _add_bench(sub) -> None:
     )
     b.add_argument("--quick", action="store_true", help="short run for CI smoke use")
     b.add_argument(
+        "--batch",
+        action="store_true",
+        help="every policy on batched workers (continuous decode batching, decode slotted into "
+        "prefills by TBT target, SLO-aware packed prefill); requests produce outputs, and TBT "
+        "is reported per tier",
+    )
+    b.add_argument(
+        "--kv-slots", type=int, help=f"batched: KV slots per worker ({BatchConfig.pool_slots})"
+    )
+    b.add_argument(
+        "--max-batch-size",
+        type=int,
+        help=f"batched: decode rows per step ({BatchConfig.max_batch_size})",
+    )
+    b.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="longest output (synthetic: log-normal spread below it; traces: clip); default 1, "
+        "128 with --batch",
+    )
+    b.add_argument(
         "--stack", action="store_true",
         help="also run the workload through the local services and report the TTFT they add",
     )  # fmt: skip
@@ -285,6 +313,12 @@ def _add_trace_options(b: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="multiply prompt lengths (then clipped to [8, 4096])",
+    )
+    b.add_argument(
+        "--trace-output-scale",
+        type=float,
+        default=1.0,
+        help="multiply output lengths (then clipped to [1, --max-new-tokens])",
     )
     b.add_argument(
         "--trace-critical-share",

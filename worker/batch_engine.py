@@ -55,7 +55,8 @@ class StepResult:
     tokens: tuple[int, ...]
     logits: torch.Tensor  # (B, vocab)
     finished: tuple[Task, ...]  # done after this step; they left the batch and freed their slot
-    seconds: float = 0.0
+    seconds: float = 0.0  # set by whoever timed it (``worker.decode_slotting``)
+    slotted: bool = False  # run at a layer boundary of a running prefill
 
 
 class BatchEngine(PrefillEngine):

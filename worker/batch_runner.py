@@ -2,17 +2,23 @@
 
 Same commands and events as ``worker.runner.EngineRunner`` (assign / resume / preempt /
 cancel in; ``worker.events`` out), so the dispatcher's handles can drive either, plus
-``pause_decode``. What changes is what the engine thread does between commands:
+``assign_packed`` and ``pause_decode``. What changes is what the engine thread does between
+commands:
 
 - a request's prefill runs (chunked, preemptible at layer boundaries, as before); when its
   first token is out it joins the decode batch (or waits for a free row) and the next prefill
   may start at once: a worker now holds one prefill *and* a batch of decoding requests;
+- ``assign_packed`` prefills several short prompts in one forward (``worker.packed_prefill``);
+  the pack is one unit of work: a preempt or resume naming any member applies to all of it,
+  and each member gets its own events;
 - between two prefill runs, and whenever no prefill waits, the batch takes one decode step;
   inside a long prefill the ``DecodeSlotter`` slots a step in at a layer boundary whenever a
-  row would otherwise miss its tier's TBT target (``tbt_slo_s``, passed with the request);
-- ``preempt`` of a decoding request pauses it between steps (KV kept, counted against the
-  memory cap; past it, dropped), reported as ``Preempted``; ``resume`` joins it again, and a
-  dropped one recomputes first. Tokens are emitted once each: a recompute does not repeat them.
+  row would otherwise miss its tier's TBT target (``tbt_slo_s``, passed with the request).
+  A step is reported as one ``DecodeStepDone`` carrying every row's token;
+- ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
+  counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
+  joins it again, and a dropped one recomputes when assigned again, reported as
+  ``DecodeRejoined``. Tokens are emitted once each: a recompute does not repeat them.
 
 Every engine call happens on the engine thread; other threads only queue work, except that a
 preempt or cancel of the running prefill raises the channel at once (as in ``EngineRunner``).
@@ -23,24 +29,32 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from worker.batch_engine import BatchEngine, StepResult
 from worker.decode_slotting import DecodeSlotter
-from worker.engine import RunStatus
+from worker.engine import RunOutcome, RunStatus
 from worker.events import (
     Cancelled,
+    DecodeRejoined,
+    DecodeStepDone,
     Failed,
     Finished,
+    FirstToken,
     Preempted,
     RunnerEvent,
 )
 from worker.kv_pool import PoolFullError
+from worker.packed_prefill import PackedPrefill
 from worker.preemption import PreemptionChannel, Signal
 from worker.request import GenerationRequest, InvalidRequestError
 from worker.runner import _Listener, _Progress
 from worker.task import Phase, Task
+
+NO_TARGET = float("inf")
 
 
 @dataclass
@@ -48,6 +62,27 @@ class _Entry:
     task: Task
     progress: _Progress
     tbt_slo_s: float  # inf: no target
+    pack: PackedPrefill | None = None  # the pack it is prefilled in, while that pack lives
+
+
+Work = str | PackedPrefill  # one request's prefill, or a pack's
+
+
+class _BatchListener(_Listener):
+    """Adds the pack to a first token prefilled in one."""
+
+    def on_first_token(self, task: Task, token_id: int, logits: torch.Tensor) -> None:
+        runner = self.runner
+        entry = runner._entries.get(task.request_id)
+        pack = entry.pack if entry is not None else None
+        if pack is None:
+            super().on_first_token(task, token_id, logits)
+            return
+        now = time.perf_counter()
+        progress = entry.progress
+        busy = progress.busy_s + now - progress.run_started
+        size, tokens = len(pack.tasks), sum(t.prompt_len for t in pack.tasks)
+        runner.emit(FirstToken(task.request_id, token_id, now, busy, task.prompt_len, tokens, size))
 
 
 class BatchRunner:
@@ -59,15 +94,16 @@ class BatchRunner:
         self.channel = PreemptionChannel()
         self._commands: queue.Queue[tuple[str, object] | None] = queue.Queue()
         self._entries: dict[str, _Entry] = {}  # engine thread only
-        self._prefills: list[str] = []  # ready to (continue to) prefill, in order
+        self._prefills: list[Work] = []  # ready to (continue to) prefill, in order
         self._waiting_rows: list[str] = []  # prefilled or resumed, waiting for a batch row
         self._lock = threading.Lock()
-        self._running: str | None = None  # the prefill on the engine now
+        self._running: frozenset[str] = frozenset()  # the prefill (or pack) on the engine now
+        self._head: str | None = None  # its first request
         self._signalled_at = 0.0
         self._stopping = False
-        self._listener = _Listener(self)  # it reads self.engine and self._progress
+        self._listener = _BatchListener(self)  # it reads self.engine and self._progress
         self._progress: dict[str, _Progress] = {}
-        self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step, self._listener)
+        self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     # ------------------------------------------------------------ commands (any thread)
@@ -79,39 +115,54 @@ class BatchRunner:
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
-            if self._running is not None:
+            if self._running:
                 self.channel.cancel()
         self._commands.put(None)
         self._thread.join()
 
     def assign(self, request: GenerationRequest, tbt_slo_s: float | None = None) -> None:
-        target = float("inf") if tbt_slo_s is None else tbt_slo_s
+        """Queue a request; one this runner holds already (its state was dropped) recomputes."""
+        target = NO_TARGET if tbt_slo_s is None else tbt_slo_s
         self._commands.put(("assign", (request, target)))
+
+    def assign_packed(
+        self, requests: Sequence[GenerationRequest], tbt_slo_s: Sequence[float | None]
+    ) -> None:
+        """Queue several whole prompts to prefill in one forward (one TBT target each)."""
+        targets = [NO_TARGET if t is None else t for t in tbt_slo_s]
+        self._commands.put(("assign_packed", (tuple(requests), tuple(targets))))
 
     def resume(self, request_id: str) -> None:
         self._commands.put(("resume", request_id))
 
     def preempt(self, request_id: str, *, drop_state: bool = False) -> bool:
-        """Stop the running prefill at its next boundary, or pause a decoding request
+        """Stop the running prefill (or pack) at its next boundary, or pause a decoding request
         between steps. Always True: a request that is neither is ignored by the engine thread."""
         with self._lock:
             self._signalled_at = time.perf_counter()
-            if self._running == request_id:
+            if request_id in self._running:
                 self.channel.preempt(drop_state=drop_state)
                 return True
         self._commands.put(("pause", (request_id, drop_state)))
         return True
 
+    def pause_decode(self, request_id: str, *, drop_state: bool = False) -> None:
+        """Take a decoding request out of the batch between steps (``preempt`` does the same
+        for a request that is not prefilling now)."""
+        self.preempt(request_id, drop_state=drop_state)
+
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            if self._running == request_id:
+            if self._running == {request_id}:
                 self.channel.cancel()
                 return
+        # Queued, suspended, decoding, or one member of a running pack (the pack goes on for
+        # the others; this one is freed when it ends).
         self._commands.put(("cancel", request_id))
 
     @property
     def running_request_id(self) -> str | None:
-        return self._running
+        return self._head
 
     @property
     def suspended_bytes(self) -> int:
@@ -125,7 +176,7 @@ class BatchRunner:
             if not self._apply_commands(block=not busy):
                 return
             if self._prefills:
-                self._run_prefill(self._prefills.pop(0))
+                self._run_work(self._prefills.pop(0))
                 self._admit_rows()
             if self.engine.rows and not self._stopping:
                 self.slotter.step()
@@ -147,19 +198,40 @@ class BatchRunner:
 
     def _on_assign(self, arg) -> None:
         request, target = arg
+        task = self._task_for(request, target)
+        if task is not None:
+            self._prefills.append(request.request_id)
+
+    def _task_for(self, request: GenerationRequest, target: float) -> Task | None:
+        """The request's task: the one held (its state was dropped) or a new one; None when
+        the request is invalid (reported as Failed)."""
         rid = request.request_id
         known = self._entries.get(rid)
-        if known is not None:  # its state was dropped: prefill again (tokens are not repeated)
-            self._prefills.append(rid)
-            return
+        if known is not None:
+            known.pack = None
+            return known.task
         try:
             task = self.engine.new_task(request)
         except InvalidRequestError as exc:
             self.emit(Failed(rid, str(exc), True, time.perf_counter()))
-            return
+            return None
         self._entries[rid] = _Entry(task, _Progress(), target)
         self._progress[rid] = self._entries[rid].progress
-        self._prefills.append(rid)
+        return task
+
+    def _on_assign_packed(self, arg) -> None:
+        requests, targets = arg
+        tasks = [self._task_for(r, t) for r, t in zip(requests, targets, strict=True)]
+        packable = [t for t in tasks if t is not None and t.phase is Phase.QUEUED]
+        alone = [t for t in tasks if t is not None and t.phase is not Phase.QUEUED]
+        if len(packable) > 1:
+            pack = PackedPrefill(tuple(packable))
+            for task in packable:
+                self._entries[task.request_id].pack = pack
+            self._prefills.append(pack)
+        else:
+            alone = packable + alone
+        self._prefills.extend(t.request_id for t in alone)
 
     def _on_resume(self, rid: str) -> None:
         entry = self._entries.get(rid)
@@ -168,6 +240,9 @@ class BatchRunner:
         if entry.task.phase is Phase.DECODE:
             self._waiting_rows.append(rid)
             self._admit_rows()
+        elif entry.pack is not None:
+            if entry.pack not in self._prefills:  # a Resume of any member resumes the pack
+                self._prefills.append(entry.pack)
         else:
             self._prefills.append(rid)
 
@@ -178,8 +253,9 @@ class BatchRunner:
             return
         task = entry.task
         if task.phase is not Phase.DECODE:
-            if rid in self._prefills:  # queued behind a decode step: stopped before it ran
-                self._stop_queued_prefill(task, drop_state)
+            work = entry.pack or rid
+            if work in self._prefills:  # queued behind a decode step: stopped before it ran
+                self._stop_queued(work, drop_state)
             return
         if rid in self._waiting_rows:
             self._waiting_rows.remove(rid)
@@ -189,21 +265,33 @@ class BatchRunner:
         held = task.held_bytes()
         self.emit(Preempted(rid, task.resume_point(), held, not kept, now, self._signalled_at))
 
-    def _stop_queued_prefill(self, task: Task, drop_state: bool) -> None:
-        """Acknowledge a preemption of a prefill that was waiting for the engine thread."""
-        rid = task.request_id
-        self._prefills.remove(rid)
-        task.preemptions += 1
-        if drop_state and task.state is not None:
-            self.engine.memory.release(rid)
-            self.engine._free(task)
-            task.phase = Phase.QUEUED
-            task.chunks = self.engine.chunks_of(len(task.prefill_ids))
-            task.recomputes += 1
+    def _stop_queued(self, work: Work, drop_state: bool) -> None:
+        """Acknowledge a preemption of a prefill (or pack) that waited for the engine thread."""
+        self._prefills.remove(work)
+        pack = work if isinstance(work, PackedPrefill) else None
+        tasks = self._live(pack.tasks) if pack is not None else [self._entries[work].task]
+        if drop_state and pack is not None and pack.state is not None:
+            pack.state = None
+            for task in tasks:
+                self._drop(task)
+        elif drop_state and pack is None and tasks[0].state is not None:
+            self.engine.memory.release(tasks[0].request_id)
+            self._drop(tasks[0])
         now = time.perf_counter()
-        dropped = task.state is None  # nothing held: it starts from token 0 when assigned
-        held = task.held_bytes()
-        self.emit(Preempted(rid, task.resume_point(), held, dropped, now, self._signalled_at))
+        for task in tasks:
+            task.preemptions += 1
+            dropped = task.state is None  # nothing held: it starts from token 0 when assigned
+            if dropped:
+                self._entries[task.request_id].pack = None
+            held = task.held_bytes()
+            rid = task.request_id
+            self.emit(Preempted(rid, task.resume_point(), held, dropped, now, self._signalled_at))
+
+    def _drop(self, task: Task) -> None:
+        self.engine._free(task)
+        task.phase = Phase.QUEUED
+        task.chunks = self.engine.chunks_of(len(task.prefill_ids))
+        task.recomputes += 1
 
     def _on_cancel(self, rid: str) -> None:
         entry = self._entries.pop(rid, None)
@@ -213,6 +301,9 @@ class BatchRunner:
         for pending in (self._prefills, self._waiting_rows):
             while rid in pending:
                 pending.remove(rid)
+        pack = entry.pack
+        if pack is not None and not self._live(pack.tasks) and pack in self._prefills:
+            self._prefills.remove(pack)  # nobody left in it
         self.engine.cancel(entry.task)
         self.slotter.forget(entry.task)
         self.emit(Cancelled(rid, time.perf_counter()))
@@ -220,6 +311,10 @@ class BatchRunner:
     def _cancel_all(self) -> None:
         for rid in list(self._entries):
             self._on_cancel(rid)
+
+    def _live(self, tasks: Sequence[Task]) -> list[Task]:
+        """The tasks still held (not cancelled or failed since the pack was formed)."""
+        return [t for t in tasks if self._entries.get(t.request_id, None) is not None]
 
     def _admit_rows(self) -> None:
         limit = self.engine.batch_config.max_batch_size
@@ -233,9 +328,20 @@ class BatchRunner:
 
     def _tbt_target(self, task: Task) -> float:
         entry = self._entries.get(task.request_id)
-        return entry.tbt_slo_s if entry is not None else float("inf")
+        return entry.tbt_slo_s if entry is not None else NO_TARGET
 
     def _on_step(self, result: StepResult) -> None:
+        if result.tasks:
+            self.emit(
+                DecodeStepDone(
+                    tuple(t.request_id for t in result.tasks),
+                    result.tokens,
+                    tuple(len(t.output_ids) - 1 for t in result.tasks),
+                    result.seconds,
+                    result.slotted,
+                    time.perf_counter(),
+                )
+            )
         for task in result.finished:
             self._finish(task)
 
@@ -249,53 +355,93 @@ class BatchRunner:
             )
         )  # fmt: skip
 
-    def _run_prefill(self, rid: str) -> None:
-        entry = self._entries.get(rid)
-        if entry is None:
-            return
-        with self._lock:
-            self._running = rid
-        entry.progress.run_started = time.perf_counter()
-        self.slotter.prefill_started()
-        try:
-            outcome = self.engine.prefill(entry.task, self.channel, self._listener, self.slotter)
-            error = None
-        except PoolFullError as exc:
-            outcome, error = None, f"{exc}; retry when a request finishes"
-        except Exception as exc:  # a model error fails this request, not the worker
-            outcome, error = None, f"{type(exc).__name__}: {exc}"
-        now = time.perf_counter()
-        entry.progress.busy_s += now - entry.progress.run_started
-        with self._lock:
-            self._running = None
-            late_cancel = self.channel.signal is Signal.CANCEL
-            self.channel.clear()
-        if late_cancel and outcome is not None and outcome.status is RunStatus.PREEMPTED:
-            self._on_cancel(rid)
-            return
-        self._report(rid, entry, outcome, error, now)
+    # ------------------------------------------------------------ one prefill run
 
-    def _report(self, rid: str, entry: _Entry, outcome, error: str | None, now: float) -> None:
+    def _run_work(self, work: Work) -> None:
+        pack = work if isinstance(work, PackedPrefill) else None
+        tasks = self._live(pack.tasks) if pack is not None else self._live_one(work)
+        if not tasks:
+            return
+        ids = [t.request_id for t in tasks]
+        recompute = pack is None and bool(tasks[0].output_ids)  # a dropped decode, again
+        with self._lock:
+            self._running, self._head = frozenset(ids), ids[0]
+        started = time.perf_counter()
+        for rid in ids:
+            self._entries[rid].progress.run_started = started
+        self.slotter.prefill_started()
+        outcome, error = self._run_engine(pack, tasks[0])
+        now = time.perf_counter()
+        for rid in ids:
+            progress = self._entries[rid].progress
+            progress.busy_s += now - progress.run_started
+        with self._lock:
+            self._running, self._head = frozenset(), None
+            signal = self.channel.signal
+            self.channel.clear()
+        stopped = outcome is not None and outcome.status is RunStatus.PREEMPTED
+        if signal is Signal.CANCEL and stopped:
+            for rid in ids:
+                self._on_cancel(rid)
+            return
+        for task in self._live(tasks):
+            self._report(task, pack, outcome, error, now, recompute)
+        if signal in (Signal.PREEMPT, Signal.PREEMPT_DROP) and outcome is not None and not stopped:
+            # The Preempt came after the last checked boundary (at chunk ends only, or just as
+            # the prefill ended): the first tokens are out, so it pauses those requests, as a
+            # PauseDecode would; the scheduler waits for that acknowledgement.
+            drop = signal is Signal.PREEMPT_DROP
+            for task in self._live(tasks):
+                if task.phase is Phase.DECODE:
+                    self._on_pause((task.request_id, drop))
+
+    def _live_one(self, rid: str) -> list[Task]:
+        entry = self._entries.get(rid)
+        return [entry.task] if entry is not None else []
+
+    def _run_engine(self, pack: PackedPrefill | None, task: Task):
+        """(outcome, None) or (None, error): a model error fails the request, not the worker."""
+        try:
+            args = (self.channel, self._listener, self.slotter)
+            if pack is not None:
+                return self.engine.run_packed(pack, *args), None
+            return self.engine.prefill(task, *args), None
+        except PoolFullError as exc:
+            return None, f"{exc}; retry when a request finishes"
+        except Exception as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _report(
+        self,
+        task: Task,
+        pack: PackedPrefill | None,
+        outcome: RunOutcome | None,
+        error: str | None,
+        now: float,
+        recompute: bool,
+    ) -> None:
+        rid = task.request_id
+        entry = self._entries[rid]
         if outcome is None:
             self._entries.pop(rid, None)
             self._progress.pop(rid, None)
             self.emit(Failed(rid, error or "failed", False, now))
         elif outcome.status is RunStatus.PREEMPTED:
-            self.emit(
-                Preempted(
-                    rid,
-                    outcome.resume_point,
-                    outcome.held_bytes,
-                    outcome.state_dropped,
-                    now,
-                    self._signalled_at,
-                )
-            )
+            held, point = outcome.held_bytes, outcome.resume_point
+            if pack is not None:
+                held = 0 if outcome.state_dropped else pack.held_bytes()[rid]
+                if outcome.state_dropped:
+                    entry.pack = None
+            dropped = outcome.state_dropped
+            self.emit(Preempted(rid, point, held, dropped, now, self._signalled_at))
         elif outcome.status is RunStatus.CANCELLED:
             self._entries.pop(rid, None)
             self._progress.pop(rid, None)
             self.emit(Cancelled(rid, now))
-        elif outcome.status is RunStatus.FINISHED:
-            self._finish(entry.task)
+        elif task.phase is Phase.FINISHED:  # its first token was its last
+            self._finish(task)
         else:  # PREFILLED: decode with the batch
+            entry.pack = None
+            if recompute:
+                self.emit(DecodeRejoined(rid, len(task.prefill_ids), now))
             self._waiting_rows.append(rid)

@@ -59,6 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reconnect-max", type=float, default=defaults.reconnect_max_s, help="seconds"
     )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=defaults.kv_slots,
+        help="a batched worker with this many KV slots: one prefill at a time while the others "
+        "decode in one batch (0: unbatched, one request at a time)",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="batched: requests decoding in one step (default: 16, at most --kv-slots)",
+    )
+    parser.add_argument(
+        "--slot-tokens",
+        type=int,
+        default=defaults.slot_tokens,
+        help="batched: prompt + new tokens one request may hold (default: the model's context)",
+    )
     parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
@@ -80,6 +99,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         reconnect_max_s=args.reconnect_max,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
+        kv_slots=args.kv_slots,
+        max_batch_size=args.max_batch_size,
+        slot_tokens=args.slot_tokens,
         **extra,
     )
 

@@ -14,6 +14,7 @@ one slow layer is not forgotten at once). The clock is passed in, for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -56,11 +57,13 @@ class DecodeSlotter:
         self._boundary_at = None
         self()
 
-    def step(self) -> StepResult:
-        """One decode step of the batch, timed; rows that finished are forgotten."""
+    def step(self, *, slotted: bool = False) -> StepResult:
+        """One decode step of the batch, timed; rows that finished are forgotten.
+        ``slotted``: it runs at a boundary of a prefill (said so in the result)."""
         started = self.clock()
         result = self.engine.decode_step(self.listener)
         now = self.clock()
+        result = dataclasses.replace(result, seconds=now - started, slotted=slotted)
         self.step_s = _learn(self.step_s, now - started)
         for task in result.tasks:
             self._last_token_at[task.request_id] = now
@@ -86,7 +89,7 @@ class DecodeSlotter:
         if self._boundary_at is not None:
             self.operator_s = _learn(self.operator_s, now - self._boundary_at)
         if self.engine.rows and now + self.operator_s + self.step_s > self.deadline():
-            self.step()
+            self.step(slotted=True)
             self.slotted_steps += 1
             now = self.clock()
         self._boundary_at = now

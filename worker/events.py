@@ -35,12 +35,46 @@ class FirstToken:
     at: float
     prefill_busy_s: float  # engine time spent on this prefill, summed over its runs
     prompt_tokens: int
+    # Prefilled in a pack (``worker.packed_prefill``): the pack's prompt tokens and members;
+    # ``prefill_busy_s`` is then the pack's. 0: prefilled alone.
+    pack_tokens: int = 0
+    pack_size: int = 0
 
 
 @dataclass(frozen=True)
 class TokenOut:
     request_id: str
     token_id: int
+    at: float
+    index: int = 0  # position in the request's output; the first token is 0
+
+
+@dataclass(frozen=True)
+class DecodeStepDone:
+    """One decode step of a batched worker: row ``i`` produced ``tokens[i]``, the
+    ``indexes[i]``-th token of ``request_ids[i]``. ``slotted``: run at a layer boundary of a
+    running prefill. Carries every row's token, so a step is one event, not B."""
+
+    request_ids: tuple[str, ...]
+    tokens: tuple[int, ...]
+    indexes: tuple[int, ...]
+    seconds: float
+    slotted: bool
+    at: float
+
+    @property
+    def request_id(self) -> str:
+        """Not one request's event: empty (loggers and metrics key events by request)."""
+        return ""
+
+
+@dataclass(frozen=True)
+class DecodeRejoined:
+    """A decoding request whose state was dropped recomputed ``recomputed_tokens`` tokens
+    (prompt + output so far but the last) and decodes again; no token is produced twice."""
+
+    request_id: str
+    recomputed_tokens: int
     at: float
 
 
@@ -77,4 +111,14 @@ class Failed:
     at: float
 
 
-RunnerEvent = Progress | FirstToken | TokenOut | Preempted | Finished | Cancelled | Failed
+RunnerEvent = (
+    Progress
+    | FirstToken
+    | TokenOut
+    | DecodeStepDone
+    | DecodeRejoined
+    | Preempted
+    | Finished
+    | Cancelled
+    | Failed
+)

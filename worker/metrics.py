@@ -4,9 +4,9 @@
 * ``tierflow_engine_busy_seconds_total``: engine time spent running a request; its ``rate()`` is
   the engine's busy fraction (also sampled as ``tierflow_engine_busy_fraction`` over the last
   window);
-* ``tierflow_batch_size``: requests in the engine's current step (the engine runs one request
-  at a time: 0 or 1), ``tierflow_worker_requests_held``: assigned and not finished (running,
-  queued or suspended);
+* ``tierflow_batch_size``: requests in the engine's current step (an unbatched engine runs one
+  request at a time: 0 or 1; a batched one, its prefill plus its decode batch),
+  ``tierflow_worker_requests_held``: assigned and not finished (running, queued or suspended);
 * ``tierflow_layer_seconds``: the time of one decoder layer over one chunk, from the engine's
   per-layer progress reports;
 * ``tierflow_worker_suspended_bytes``: what suspended requests hold on this worker.
@@ -83,20 +83,25 @@ class WorkerMetrics:
         suspended_bytes: Callable[[], int],
         held: Callable[[], int],
         window_s: float = 1.0,
+        decoding: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``decoding``: rows of a batched engine's decode batch (they keep it busy too)."""
+
         def sample() -> None:
             busy_window: list[bool] = []
             size = max(1, round(window_s / SAMPLE_S))
             last = time.monotonic()
             while not self._stop.wait(SAMPLE_S):
                 now = time.monotonic()
-                busy = running() is not None
+                rows = decoding()
+                step = int(running() is not None) + rows
+                busy = step > 0
                 if busy:
                     self.busy_s.inc(now - last)
                 last = now
                 busy_window = [*busy_window[-(size - 1) :], busy]
                 self.busy_fraction.set(sum(busy_window) / len(busy_window))
-                self.batch_size.set(int(busy))
+                self.batch_size.set(step)
                 self.held.set(held())
                 # RuntimeError: the engine changed its table mid-read; the next sample reads it.
                 with contextlib.suppress(RuntimeError):

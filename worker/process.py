@@ -1,7 +1,9 @@
 """The worker process: one per device, attached to the queue service by one control stream.
 
-It loads the model once, builds the preemptible engine and its runner (``worker.runner``), and
-dials ``WorkerControl.Attach``. Threads:
+It loads the model once, builds the preemptible engine and its runner (``worker.runner``), or,
+with ``kv_slots`` > 0, the batched engine and its runner (``worker.batch_runner``: one prefill
+at a time while every request past its first token decodes in one batch), and dials
+``WorkerControl.Attach``. Threads:
 
 * the control thread dials, sends ``Hello`` first, then reads ``ControlMessage``s and calls the
   runner the moment each arrives. A ``Preempt`` raises the engine's preemption flag from this
@@ -30,13 +32,15 @@ from tierflow.metrics import serve_metrics
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 from worker import wire
 from worker.backoff import Backoff
+from worker.batch_engine import BatchEngine
+from worker.batch_runner import BatchRunner
 from worker.config import WorkerConfig
 from worker.engine import PrefillEngine
 from worker.event_log import log_event
 from worker.events import Cancelled, Failed, Finished, RunnerEvent
 from worker.metrics import WorkerMetrics
 from worker.models import LoadedModel, load_model
-from worker.request import InvalidRequestError
+from worker.request import GenerationRequest, InvalidRequestError
 from worker.runner import EngineRunner
 from worker.session import Session
 
@@ -62,7 +66,12 @@ class WorkerProcess:
         self._log = log.bind(worker_id=config.worker_id)
         started = time.perf_counter()
         self.model = loaded_model or load_model(config.model, device=config.device)
-        self.engine = PrefillEngine(self.model.model, config.engine_config())
+        if config.batched:
+            self.engine = BatchEngine(
+                self.model.model, config.engine_config(), config.batch_config()
+            )
+        else:
+            self.engine = PrefillEngine(self.model.model, config.engine_config())
         self._log.info(
             "engine ready",
             model=self.model.name,
@@ -71,9 +80,15 @@ class WorkerProcess:
             layers=len(self.engine.layers),
             chunk_size=config.chunk_size,
             check=config.check,
+            kv_slots=config.kv_slots,
             load_s=round(time.perf_counter() - started, 3),
         )
-        self.runner = EngineRunner(self.engine, self._on_event, name=f"engine-{config.worker_id}")
+        name = f"engine-{config.worker_id}"
+        self.runner: EngineRunner | BatchRunner = (
+            BatchRunner(self.engine, self._on_event, name=name)
+            if isinstance(self.engine, BatchEngine)
+            else EngineRunner(self.engine, self._on_event, name=name)
+        )
         self.metrics = WorkerMetrics(config.deployment, config.worker_id)
         self.metrics_endpoint = None
         self._hello = wire.hello(config.worker_id, self.model.name, self.engine)
@@ -99,6 +114,7 @@ class WorkerProcess:
             lambda: self.runner.running_request_id,
             lambda: self.runner.suspended_bytes,
             lambda: len(self._held),
+            decoding=lambda: len(self.engine.rows) if isinstance(self.engine, BatchEngine) else 0,
         )
         self.metrics_endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
         self._thread.start()
@@ -243,6 +259,10 @@ class WorkerProcess:
                 self._log.info("preempt ignored: not running", request_id=preempt.request_id)
         elif command == "assign":
             self._assign(message.assign)
+        elif command == "assign_packed":
+            self._assign_packed(message.assign_packed)
+        elif command == "pause_decode":
+            self._pause_decode(message.pause_decode)
         elif command == "resume":
             self._resume(message.resume.request_id)
         elif command == "cancel":
@@ -253,12 +273,41 @@ class WorkerProcess:
             self._log.warning("unknown command ignored", command=command)
 
     def _assign(self, assign: worker_pb2.Assign) -> None:
+        request = self._accept(assign)
+        if request is None:
+            return
+        try:  # an invalid prompt comes back at once as Failed
+            if isinstance(self.runner, BatchRunner):
+                self.runner.assign(request, wire.tbt_slo_s(assign))
+            else:
+                self.runner.assign(request)
+        except Exception as exc:
+            self._failed(request.request_id, exc)
+
+    def _assign_packed(self, packed: worker_pb2.AssignPacked) -> None:
+        """Several prompts to prefill in one forward; an unbatched worker runs them in turn."""
+        accepted = [(a, r) for a in packed.members if (r := self._accept(a)) is not None]
+        if not accepted:
+            return
+        if not isinstance(self.runner, BatchRunner):
+            for _, request in accepted:
+                self.runner.assign(request)
+            return
+        requests = [r for _, r in accepted]
+        try:
+            self.runner.assign_packed(requests, [wire.tbt_slo_s(a) for a, _ in accepted])
+        except Exception as exc:
+            for request in requests:
+                self._failed(request.request_id, exc)
+
+    def _accept(self, assign: worker_pb2.Assign) -> GenerationRequest | None:
+        """The engine's request, now held; None when refused (reported as Failed)."""
         request_id = assign.request_id
         try:
             request = wire.request_from_assign(assign)
         except InvalidRequestError as exc:
             self._on_event(Failed(request_id, str(exc), True, time.perf_counter()))
-            return
+            return None
         with self._cond:
             # A held id is assigned again only after its state was dropped (recompute policy,
             # memory cap): the runner then recomputes its own task (EngineRunner.assign).
@@ -268,19 +317,25 @@ class WorkerProcess:
         if draining:
             # Not invalid_request: the queue service should run it elsewhere.
             self._on_event(Failed(request_id, "worker is draining", False, time.perf_counter()))
-            return
+            return None
         self._log.info(
             "assigned",
             request_id=request_id,
             prompt_tokens=len(request.prompt_ids),
             max_new_tokens=request.max_new_tokens,
         )
-        try:
-            self.runner.assign(request)  # an invalid prompt comes back at once as Failed
-        except Exception as exc:
-            self._on_event(
-                Failed(request_id, f"{type(exc).__name__}: {exc}", False, time.perf_counter())
-            )
+        return request
+
+    def _failed(self, request_id: str, exc: Exception) -> None:
+        self._on_event(
+            Failed(request_id, f"{type(exc).__name__}: {exc}", False, time.perf_counter())
+        )
+
+    def _pause_decode(self, pause: worker_pb2.PauseDecode) -> None:
+        if not isinstance(self.runner, BatchRunner):
+            self._log.warning("pause_decode ignored: unbatched", request_id=pause.request_id)
+            return
+        self.runner.pause_decode(pause.request_id, drop_state=pause.drop_state)
 
     def _resume(self, request_id: str) -> None:
         with self._cond:

@@ -9,9 +9,12 @@ the wire's conventions (``0`` meaning "unset") out of the engine.
 from __future__ import annotations
 
 from tierflow.v1 import worker_pb2
+from worker.batch_engine import BatchEngine
 from worker.engine import PrefillEngine
 from worker.events import (
     Cancelled,
+    DecodeRejoined,
+    DecodeStepDone,
     Failed,
     Finished,
     FirstToken,
@@ -49,6 +52,11 @@ def request_from_assign(assign: worker_pb2.Assign) -> GenerationRequest:
     )
 
 
+def tbt_slo_s(assign: worker_pb2.Assign) -> float | None:
+    """The request's time-between-tokens target; None (0 on the wire): none."""
+    return assign.tbt_slo_s if assign.tbt_slo_s > 0 else None
+
+
 # ---------------------------------------------------------------- engine -> queue service
 
 
@@ -73,11 +81,23 @@ def event_message(event: RunnerEvent) -> worker_pb2.WorkerMessage:
                     token_id=event.token_id,
                     prefill_busy_ms=event.prefill_busy_s * 1000.0,
                     prompt_tokens=event.prompt_tokens,
+                    pack_tokens=event.pack_tokens,
+                    pack_size=event.pack_size,
                 )
             )
         case TokenOut():
             return worker_pb2.WorkerMessage(
-                token=worker_pb2.WorkerToken(request_id=event.request_id, token_id=event.token_id)
+                token=worker_pb2.WorkerToken(
+                    request_id=event.request_id, token_id=event.token_id, index=event.index
+                )
+            )
+        case DecodeStepDone():
+            return worker_pb2.WorkerMessage(decode_step=decode_step_message(event))
+        case DecodeRejoined():
+            return worker_pb2.WorkerMessage(
+                decode_rejoined=worker_pb2.DecodeRejoined(
+                    request_id=event.request_id, recomputed_tokens=event.recomputed_tokens
+                )
             )
         case Preempted():
             return worker_pb2.WorkerMessage(
@@ -113,6 +133,16 @@ def event_message(event: RunnerEvent) -> worker_pb2.WorkerMessage:
     raise TypeError(f"not a runner event: {event!r}")
 
 
+def decode_step_message(event: DecodeStepDone) -> worker_pb2.DecodeStep:
+    tokens = [
+        worker_pb2.WorkerToken(request_id=rid, token_id=token, index=index)
+        for rid, token, index in zip(event.request_ids, event.tokens, event.indexes, strict=True)
+    ]
+    return worker_pb2.DecodeStep(
+        tokens=tokens, step_ms=event.seconds * 1000.0, slotted=event.slotted
+    )
+
+
 def resume_point_message(point: ResumePoint) -> worker_pb2.ResumePoint:
     return worker_pb2.ResumePoint(
         chunk=point.chunk, layer=point.layer, half=point.half, tokens_done=point.tokens_done
@@ -125,8 +155,10 @@ def preemption_latency_ms(event: Preempted) -> float:
 
 
 def hello(worker_id: str, model_name: str, engine: PrefillEngine) -> worker_pb2.WorkerMessage:
-    """The first message of every session: what this worker serves and how it preempts."""
+    """The first message of every session: what this worker serves, how it preempts and, for
+    a batched engine, its KV slots (0: unbatched)."""
     config = engine.config
+    batched = isinstance(engine, BatchEngine)
     return worker_pb2.WorkerMessage(
         hello=worker_pb2.Hello(
             worker_id=worker_id,
@@ -138,6 +170,9 @@ def hello(worker_id: str, model_name: str, engine: PrefillEngine) -> worker_pb2.
             chunk_size=config.chunk_size or 0,  # 0 on the wire: the whole prompt is one chunk
             check=config.check,
             memory_cap_bytes=config.memory_cap_bytes,
+            kv_slots=engine.pool.num_slots if batched else 0,
+            max_batch_size=engine.batch_config.max_batch_size if batched else 0,
+            slot_tokens=engine.pool.slot_tokens if batched else 0,
         )
     )
 

@@ -10,6 +10,10 @@ runs, and the rules of the protocol live here once:
 - Assign / Resume / Preempt / Cancel go to the handle of the worker they name. An Assign of a
   request the worker has seen before means "recompute from token 0" (its state was dropped);
   handles implement ``assign`` that way.
+- Batched workers (joined with ``kv_slots`` > 0) also get AssignPacked (several prompts
+  prefilled in one forward; a Preempt or Resume of any member applies to the whole pack) and
+  PauseDecode (a decoding request leaves the batch between steps, acknowledged like a Preempt;
+  Resume puts it back). What they report includes one ``DecodeStepDone`` per decode step.
 - SetTimer / CancelTimer arm and disarm the request's one wake-up on a ``Timers`` service; when
   it is due, the owner calls ``Dispatcher.fire_timer`` (a stale one is ignored by the scheduler).
 - Reject goes to the owner (``on_reject``), which answers the client.
@@ -28,10 +32,12 @@ from typing import Protocol
 
 from queue_service.scheduler import (
     Assign,
+    AssignPacked,
     Cancel,
     CancelTimer,
     Command,
     Event,
+    PauseDecode,
     Preempt,
     Reject,
     Resume,
@@ -48,6 +54,12 @@ class WorkerHandle(Protocol):
 
     def assign(self, request_id: str) -> None:
         """Start the request from token 0 (a request seen before: recompute it)."""
+
+    def assign_packed(self, request_ids: tuple[str, ...]) -> None:
+        """Batched workers: prefill these requests together in one forward."""
+
+    def pause_decode(self, request_id: str, drop_state: bool) -> None:
+        """Batched workers: take a decoding request out of the batch between two steps."""
 
     def resume(self, request_id: str) -> None:
         """Continue the request from the state this worker holds."""
@@ -136,6 +148,12 @@ class Dispatcher:
             case Assign(request_id=rid, worker_id=wid):
                 self.on_start(rid, wid, False)
                 self.handles[wid].assign(rid)
+            case AssignPacked(request_ids=rids, worker_id=wid):
+                for rid in rids:
+                    self.on_start(rid, wid, False)
+                self.handles[wid].assign_packed(rids)
+            case PauseDecode(request_id=rid, worker_id=wid, drop_state=drop):
+                self.handles[wid].pause_decode(rid, drop)
             case Resume(request_id=rid, worker_id=wid):
                 self.on_start(rid, wid, True)
                 self.handles[wid].resume(rid)

@@ -10,6 +10,11 @@ this loop. Other I/O is injected:
 
 Client streams register a queue per request id; events for a request whose client is on another
 instance (``record.reply_to``) go to that instance through ``publish_reply``.
+
+Each output token reaches the client once: tokens carry their position in the output, and one
+the client has already (produced again by a recompute from token 0, after a dropped state or on
+another worker after this one left) is not sent again. Batched workers send one ``DecodeStep``
+per step with every row's token.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import structlog
 from queue_service.core.dispatcher import Dispatcher, WorkerHandle
 from queue_service.core.live import LiveRequest, Outcome
 from queue_service.scheduler import (
+    DecodeStepDone,
     PreemptionAcked,
     PrefillFinished,
     PrefillProgress,
@@ -177,8 +183,9 @@ class ServiceCore:
     def workers(self) -> frozenset[str]:
         return frozenset(self.dispatcher.handles)
 
-    def worker_joined(self, worker_id: str, handle: WorkerHandle) -> None:
-        self.dispatcher.worker_joined(worker_id, handle)
+    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int = 0) -> None:
+        """``kv_slots`` > 0: a batched worker (its Hello said so)."""
+        self.dispatcher.worker_joined(worker_id, handle, kv_slots)
 
     def worker_left(self, worker_id: str) -> None:
         if worker_id not in self.dispatcher.handles:
@@ -186,8 +193,7 @@ class ServiceCore:
         for live in self.live.values():
             if live.worker_id == worker_id:
                 live.worker_id = None
-                live.state = Status.QUEUED
-                live.output_ids.clear()
+                live.state = Status.QUEUED  # its tokens so far stay: they are not sent twice
         log.warning("worker left; its requests are re-queued", worker_id=worker_id)
         self.dispatcher.worker_left(worker_id)
 
@@ -195,9 +201,16 @@ class ServiceCore:
         """The queued record of a live request (what an Assign carries to the worker)."""
         return self.live[request_id].record
 
+    def tbt_slo_s(self, request_id: str) -> float | None:
+        """The time-between-tokens target of a live request's tier (None: none)."""
+        return self.scheduler.tiers[self.live[request_id].record.tier].tbt_slo_s
+
     def on_worker_message(self, worker_id: str, msg: worker_pb2.WorkerMessage) -> None:
         kind = msg.WhichOneof("event")
         body = getattr(msg, kind)
+        if kind == "decode_step":  # every row's token: not one request's event
+            self._on_decode_step(worker_id, body)
+            return
         live = self.live.get(getattr(body, "request_id", ""))
         if kind == "heartbeat" or live is None or live.worker_id != worker_id:
             return  # heartbeats are read by the session; stale events of a moved request dropped
@@ -224,36 +237,58 @@ class ServiceCore:
         )  # fmt: skip
 
     def _on_first_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        live.first_token_at = now
-        live.prefill_busy_ms = body.prefill_busy_ms
-        live.output_ids = [body.token_id]
         live.state = Status.RUNNING
-        self._emit(
-            live,
-            first_token=serving_pb2.FirstToken(
-                token_id=body.token_id,
-                text=self.decode([body.token_id]),
-                ttft_ms=(now - live.arrived_at) * 1000,
-            ),
-        )
+        if not live.output_ids:  # else a recompute from token 0: the client has this one
+            live.first_token_at = now
+            live.prefill_busy_ms = body.prefill_busy_ms
+            live.output_ids = [body.token_id]
+            self._emit(
+                live,
+                first_token=serving_pb2.FirstToken(
+                    token_id=body.token_id,
+                    text=self.decode([body.token_id]),
+                    ttft_ms=(now - live.arrived_at) * 1000,
+                ),
+            )
         self.dispatcher.handle(
             PrefillFinished(
-                live.request_id, worker_id, body.prompt_tokens, body.prefill_busy_ms / 1000
+                live.request_id, worker_id, body.prompt_tokens, body.prefill_busy_ms / 1000,
+                body.pack_tokens,
             )
+        )  # fmt: skip
+
+    def _on_decode_rejoined(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
+        # A dropped decode recomputed (no token again): it decodes, its prefill is done.
+        live.state = Status.RUNNING
+        self.dispatcher.handle(
+            PrefillFinished(live.request_id, worker_id, body.recomputed_tokens, 0.0)
         )
 
     def _on_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        live.output_ids.append(body.token_id)
-        text = self.decode([body.token_id])
-        self._emit(live, token=serving_pb2.Token(token_id=body.token_id, text=text))
+        self._stream_token(live, body.index, body.token_id)
+
+    def _on_decode_step(self, worker_id: str, step: worker_pb2.DecodeStep) -> None:
+        for token in step.tokens:
+            live = self.live.get(token.request_id)
+            if live is not None and live.worker_id == worker_id:
+                self._stream_token(live, token.index, token.token_id)
+        seconds = step.step_ms / 1000
+        self.dispatcher.handle(DecodeStepDone(worker_id, len(step.tokens), seconds, step.slotted))
+
+    def _stream_token(self, live: LiveRequest, index: int, token_id: int) -> None:
+        """The ``index``-th output token; one the client has already is not sent again."""
+        if index < len(live.output_ids):
+            return
+        live.output_ids.append(token_id)
+        text = self.decode([token_id])
+        self._emit(live, token=serving_pb2.Token(token_id=token_id, text=text))
 
     def _on_preempted(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.preemptions += 1
         live.state = Status.SUSPENDED
         self.transport.preempted(live.record.tier, body.latency_ms / 1000, body.state_dropped)
-        if body.state_dropped:
-            live.output_ids.clear()
-        else:
+        # A dropped state keeps the tokens the client has: a recompute does not resend them.
+        if not body.state_dropped:
             live.suspended_since = now
         log.info(
             "preempted",
@@ -297,6 +332,7 @@ class ServiceCore:
     _worker_handlers: ClassVar[dict[str, Callable]] = {
         "progress": _on_progress,
         "first_token": _on_first_token,
+        "decode_rejoined": _on_decode_rejoined,
         "token": _on_token,
         "preempted": _on_preempted,
         "done": _on_done,

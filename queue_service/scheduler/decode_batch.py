@@ -12,6 +12,11 @@ policy must preempt; anti-thrash bound and aging via ``Rules.preemptible``):
   state of one decoding request of a lower tier there (the lowest tier, then the newest), which
   recomputes later without sending any token twice.
 
+A prefill on a batched worker is slowed by the decode steps slotted into it: about one step
+(whose time the worker reports, ``DecodeStepDone``) per TBT target of its tightest decoding row.
+Whether it is at risk is judged with that slowdown, counting the paused rows as well (they come
+back), so that pausing them does not by itself flip the verdict and resume them at once.
+
 Pure functions over the scheduler's records; the scheduler turns their answers into commands.
 """
 
@@ -24,9 +29,30 @@ from queue_service.scheduler.policies import SchedulingPolicy
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 
 
-def at_risk(prefill: Request, estimator: Estimator, now: float) -> bool:
-    """Its predicted first token (with the prediction-error margin) is past its deadline."""
-    left = estimator.prefill_left(prefill, now) * (1.0 + estimator.errors.margin())
+# A step's time is learnt fast when it grows (a larger batch), slowly when it shrinks.
+def learn_step(estimate: float, seconds: float) -> float:
+    return seconds if seconds > estimate else estimate + 0.2 * (seconds - estimate)
+
+
+# At most this share of a prefill's time goes to slotted decode steps in the estimate.
+MAX_SLOTTED_SHARE = 0.9
+
+
+def slotting_slowdown(worker: WorkerSlot, requests: Mapping[str, Request]) -> float:
+    """How many times longer a prefill takes on ``worker`` with its decode rows (decoding or
+    paused) slotted into it: one step every TBT target of the tightest of them."""
+    rows = (requests[r] for r in (*worker.decoding, *worker.suspended) if r in requests)
+    targets = [r.tier.tbt_slo_s for r in rows if r.prefilled and r.tier.tbt_slo_s]
+    if not targets or worker.decode_step_s <= 0:
+        return 1.0
+    share = min(MAX_SLOTTED_SHARE, worker.decode_step_s / min(targets))
+    return 1.0 / (1.0 - share)
+
+
+def at_risk(prefill: Request, estimator: Estimator, now: float, slowdown: float = 1.0) -> bool:
+    """Its predicted first token (with the prediction-error margin and the decode steps slotted
+    into it) is past its deadline."""
+    left = estimator.prefill_left(prefill, now) * (1.0 + estimator.errors.margin()) * slowdown
     return now + left > prefill.deadline_s
 
 
@@ -35,7 +61,8 @@ def _risky_rank(worker: WorkerSlot, requests: Mapping[str, Request], estimator, 
     active = requests.get(worker.active) if worker.active else None
     if active is None or active.state is not RequestState.RUNNING:
         return 1 << 30
-    return active.tier.rank if at_risk(active, estimator, now) else 1 << 30
+    slowdown = slotting_slowdown(worker, requests)
+    return active.tier.rank if at_risk(active, estimator, now, slowdown) else 1 << 30
 
 
 def decode_pauses(

@@ -53,13 +53,17 @@ class PrefillFinished:
     """First token sent; the request decodes on the same worker until RequestDone.
 
     ``tokens``: prompt tokens prefilled. ``prefill_s``: measured busy seconds to prefill them
-    once (time spent suspended excluded); it refits the prefill-time predictor.
+    once (time spent suspended excluded); it refits the prefill-time predictor (0: do not,
+    e.g. a dropped decode's recompute, whose first token is long out). ``pack_tokens``: it was
+    prefilled in a pack of that many prompt tokens, and ``prefill_s`` is the pack's time; it
+    teaches the packed-prefill cost instead.
     """
 
     request_id: str
     worker_id: str
     tokens: int
     prefill_s: float
+    pack_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,17 @@ class TimerFired:
 
 
 @dataclass(frozen=True)
+class DecodeStepDone:
+    """A batched worker ran one decode step of ``rows`` requests in ``seconds``; ``slotted``:
+    at a layer boundary of a running prefill (which it slowed down by that much)."""
+
+    worker_id: str
+    rows: int
+    seconds: float
+    slotted: bool = False
+
+
+@dataclass(frozen=True)
 class WorkerJoined:
     """``kv_slots`` > 0: a batched worker with that many KV slots (0: one request at a time)."""
 
@@ -121,6 +136,7 @@ Event = (
     | PreemptionAcked
     | RequestCancelled
     | TimerFired
+    | DecodeStepDone
     | WorkerJoined
     | WorkerLeft
 )
@@ -137,10 +153,30 @@ class Assign:
 
 
 @dataclass(frozen=True)
+class AssignPacked:
+    """Prefill these requests together in one forward on the batched worker (``packing``);
+    the first holds the worker's prefill. A Preempt or Resume of any member applies to all."""
+
+    request_ids: tuple[str, ...]
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class PauseDecode:
+    """Take a decoding request out of its batched worker's decode batch between two steps,
+    keeping its KV unless ``drop_state`` (it then recomputes when assigned again, without
+    sending any token twice). Acknowledged with PreemptionAcked; Resume puts it back."""
+
+    request_id: str
+    worker_id: str
+    drop_state: bool
+
+
+@dataclass(frozen=True)
 class Preempt:
-    """Stop the request at the engine's next checked boundary; drop its state if asked. On a
-    batched worker, a decoding request is paused between decode steps (acknowledged with
-    PreemptionAcked like a prefill); Resume puts it back in the batch."""
+    """Stop the request at the engine's next checked boundary; drop its state if asked. A
+    worker that finds it decoding already (its first token crossed the Preempt) pauses it
+    like PauseDecode."""
 
     request_id: str
     worker_id: str
@@ -190,4 +226,14 @@ class CancelTimer:
     request_id: str
 
 
-Command = Assign | Preempt | Resume | Cancel | Reject | SetTimer | CancelTimer
+Command = (
+    Assign
+    | AssignPacked
+    | Preempt
+    | PauseDecode
+    | Resume
+    | Cancel
+    | Reject
+    | SetTimer
+    | CancelTimer
+)

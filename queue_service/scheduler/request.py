@@ -60,6 +60,9 @@ class Request:
     # once a restart from scratch makes the measured time incomparable.
     predicted_prefill_s: float | None = None
     restarted: bool = False
+    # Prefilled in a pack with others (``packing``): every member's id, the first holding the
+    # worker's prefill; kept while the pack's state lives (until its first tokens, or a drop).
+    pack: tuple[str, ...] = ()
 
     @property
     def deadline_s(self) -> float:
@@ -78,6 +81,7 @@ class Request:
         self.prefilled = False
         self.worker_id = None
         self.restarted = True
+        self.pack = ()
 
 
 @dataclass
@@ -95,6 +99,10 @@ class WorkerSlot:
     # Batched workers only: requests decoding in its batch. They do not hold ``active``: the
     # worker prefills the next request while they decode.
     decoding: dict[str, None] = field(default_factory=dict)
+    # Batched workers only: the members of the running packed prefill other than ``active``.
+    riders: dict[str, None] = field(default_factory=dict)
+    # Batched workers only: the learnt time of one decode step (``DecodeStepDone``).
+    decode_step_s: float = 0.0
 
     @property
     def free(self) -> bool:
@@ -105,7 +113,12 @@ class WorkerSlot:
         return self.kv_slots > 0
 
     @property
+    def held(self) -> int:
+        """Requests whose state it holds: prefilling, decoding, suspended or paused."""
+        running = len(self.riders) + (self.active is not None)
+        return len(self.decoding) + len(self.suspended) + running
+
+    @property
     def has_kv_slot(self) -> bool:
         """Room for one more request's state (always, on an unbatched worker)."""
-        held = len(self.decoding) + len(self.suspended) + (self.active is not None)
-        return not self.batched or held < self.kv_slots
+        return not self.batched or self.held < self.kv_slots

@@ -29,13 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from queue_service.scheduler import decode_batch, planner
+from queue_service.scheduler import decode_batch, packing, planner
 from queue_service.scheduler.events import (
     Assign,
+    AssignPacked,
     Cancel,
     CancelTimer,
     Command,
+    DecodeStepDone,
     Event,
+    PauseDecode,
     Preempt,
     PreemptionAcked,
     PrefillFinished,
@@ -88,9 +91,20 @@ class SchedulerConfig:
     progress_decision_interval_s: float = 0.02
     # Terminal request ids remembered so that a redelivered arrival is ignored.
     remember_finished: int = 100_000
+    # Packed prefill on batched workers (``packing``): at most this many short prompts, of
+    # this many tokens together, in one forward, and only when the pack still meets the
+    # tightest deadline in it. A max_pack_size below 2 turns packing off.
+    max_pack_size: int = 8
+    max_pack_tokens: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_preemptions", "max_queued_sheddable", "max_suspended_per_worker"):
+        for name in (
+            "max_preemptions",
+            "max_queued_sheddable",
+            "max_suspended_per_worker",
+            "max_pack_size",
+            "max_pack_tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in (
@@ -131,6 +145,10 @@ class Scheduler:
             max_preemptions=self.config.max_preemptions,
             max_suspended_per_worker=self.config.max_suspended_per_worker,
         )
+        self._pack_cost = packing.PackCost(self.predictor)
+        self._pack_limits = packing.PackLimits(
+            self.config.max_pack_size, self.config.max_pack_tokens
+        )
         self._requests: dict[str, Request] = {}  # live: not yet terminal
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
@@ -147,6 +165,7 @@ class Scheduler:
             PreemptionAcked: self._on_preemption_acked,
             RequestCancelled: self._on_cancelled,
             TimerFired: self._on_timer_fired,
+            DecodeStepDone: self._on_decode_step,
             WorkerJoined: self._on_worker_joined,
             WorkerLeft: self._on_worker_left,
         }
@@ -229,15 +248,37 @@ class Scheduler:
             req.progress_at_s = now
             worker = self._workers[ev.worker_id]
             if worker.batched:  # it joins the batch: the worker may prefill the next one
-                worker.active = None
+                packing.leave(req, worker)
                 worker.decoding[req.request_id] = None
+        if ev.pack_tokens:
+            self._learn_pack(req, ev)
+        else:
+            self._learn_prefill(req, ev)
+        req.pack = ()  # the pack's state is gone: each member holds its own KV now
+        # Its first token is out, so it is now a cheap victim: a decision point.
+        return self._schedule(now)
+
+    def _learn_prefill(self, req: Request, ev: PrefillFinished) -> None:
         if req.predicted_prefill_s is not None and not req.restarted:
             # Out of sample: the prediction was made before this run refits the predictor.
             self.prediction_errors.observe(req.predicted_prefill_s, ev.prefill_s)
         if self.config.refit_predictor and ev.tokens >= 1 and ev.prefill_s > 0:
             self.predictor.observe(PrefillSample(ev.tokens, 0, ev.prefill_s))
-        # Its first token is out, so it is now a cheap victim: a decision point.
-        return self._schedule(now)
+
+    def _learn_pack(self, req: Request, ev: PrefillFinished) -> None:
+        """Once per pack (its first member's report): the pack's time, for the pack cost."""
+        if not req.pack or req.pack[0] != req.request_id:
+            return
+        if req.predicted_prefill_s is not None and not req.restarted:
+            self.prediction_errors.observe(req.predicted_prefill_s, ev.prefill_s)
+        if self.config.refit_predictor:
+            self._pack_cost.observe(ev.pack_tokens, ev.prefill_s)
+
+    def _on_decode_step(self, ev: DecodeStepDone, now: float) -> list[Command]:
+        worker = self._workers.get(ev.worker_id)
+        if worker is not None and ev.rows > 0:
+            worker.decode_step_s = decode_batch.learn_step(worker.decode_step_s, ev.seconds)
+        return []  # the step changes no decision by itself: the next event sees its time
 
     def _on_done(self, ev: RequestDone, now: float) -> list[Command]:
         req = self._requests.get(ev.request_id)
@@ -247,8 +288,7 @@ class Scheduler:
         if worker is not None:
             worker.suspended.pop(req.request_id, None)
             worker.decoding.pop(req.request_id, None)
-            if worker.active == req.request_id:
-                worker.active = None
+            packing.leave(req, worker, pack_goes_on=True)
         self._finish(req, RequestState.DONE)
         return self._schedule(now)
 
@@ -257,8 +297,7 @@ class Scheduler:
         if req is None or req.state is not RequestState.PREEMPTING:
             return []  # it finished or was cancelled before the worker saw the Preempt
         worker = self._workers[ev.worker_id]
-        if worker.active == req.request_id:  # a paused decode never held the prefill
-            worker.active = None
+        packing.leave(req, worker)  # a paused decode never held the prefill
         worker.decoding.pop(req.request_id, None)
         self._estimator.switch.observe(ev.latency_s)
         if ev.state_dropped:
@@ -281,8 +320,7 @@ class Scheduler:
             commands.append(Cancel(req.request_id, worker.worker_id))
             worker.suspended.pop(req.request_id, None)
             worker.decoding.pop(req.request_id, None)
-            if worker.active == req.request_id:
-                worker.active = None
+            packing.leave(req, worker, pack_goes_on=True)
         self._finish(req, RequestState.CANCELLED)
         return commands + self._schedule(now)
 
@@ -309,7 +347,8 @@ class Scheduler:
         if worker is None:
             return []
         # Its states are gone with it: everything it held starts again, elsewhere.
-        held = [*([worker.active] if worker.active else []), *worker.suspended, *worker.decoding]
+        active = [worker.active] if worker.active else []
+        held = [*active, *worker.riders, *worker.suspended, *worker.decoding]
         for rid in held:
             self._requests[rid].restart_from_scratch()
             self._counters["restarts"] += 1
@@ -333,10 +372,11 @@ class Scheduler:
         for worker in workers:
             if worker.free:
                 worker.reserved_for = None  # the preemption it was marked for is over
-        commands += [self._start(req, worker, now) for req, worker in placements]
+        placed = {req.request_id for req, _ in placements}
+        commands += [self._place(req, worker, ranked, placed, now) for req, worker in placements]
         if self.policy.preempts:
-            placed = {req.request_id for req, _ in placements}
-            still_waiting = [r for r in ranked if r.request_id not in placed]
+            # Pack members started too: only what still waits may cause a preemption.
+            still_waiting = [r for r in ranked if r.request_id not in placed and r.waiting]
             for victim, beneficiary, drop in planner.choose_preemptions(
                 still_waiting,
                 workers,
@@ -346,7 +386,7 @@ class Scheduler:
                 self._rules,
                 now,
             ):
-                commands.append(self._preempt(victim, beneficiary, drop))
+                commands += self._preempt(victim, beneficiary, drop)
         return commands + self._decode_pressure(ranked, workers, now) + self._reconcile_timers(now)
 
     def _waiting_prefills(self) -> list[Request]:
@@ -381,7 +421,7 @@ class Scheduler:
         victim.state = RequestState.PREEMPTING
         victim.preemptions += 1
         self._counters["decode_drops" if drop_state else "decode_pauses"] += 1
-        return Preempt(victim.request_id, victim.worker_id, drop_state=drop_state)
+        return PauseDecode(victim.request_id, victim.worker_id, drop_state=drop_state)
 
     def _resume_decode(self, req: Request, worker: WorkerSlot, now: float) -> Command:
         del worker.suspended[req.request_id]
@@ -407,6 +447,33 @@ class Scheduler:
                 commands.append(SetTimer(rid, at))
         return commands
 
+    def _place(
+        self, req: Request, worker: WorkerSlot, ranked: list[Request], placed: set[str], now: float
+    ) -> Command:
+        """Start ``req`` on the free ``worker``: alone, with the requests it packs with, or, a
+        member of a suspended pack, with the rest of that pack."""
+        if req.state is RequestState.SUSPENDED and req.pack:
+            siblings = packing.suspended_siblings(req, worker, self._requests)
+            command = self._start(req, worker, now)
+            for sibling in siblings:
+                self._start(sibling, worker, now)
+            packing.start([req, *siblings], worker)
+            return command  # one Resume resumes the whole pack
+        members = packing.choose_pack(
+            req, worker, ranked, placed, self._pack_cost, self._estimator, self._pack_limits, now
+        )
+        if not members:
+            return self._start(req, worker, now)
+        pack = [req, *members]
+        predicted = self._pack_cost.predict(sum(r.prompt_tokens for r in pack))
+        for member in pack:
+            member.predicted_prefill_s = predicted
+            self._start(member, worker, now)
+        packing.start(pack, worker)
+        self._counters["packs"] += 1
+        self._counters["packed_requests"] += len(pack)
+        return AssignPacked(tuple(r.request_id for r in pack), worker.worker_id)
+
     def _start(self, req: Request, worker: WorkerSlot, now: float) -> Command:
         resume = req.state is RequestState.SUSPENDED
         if resume:
@@ -424,13 +491,19 @@ class Scheduler:
         self._counters["assigns"] += 1
         return Assign(req.request_id, worker.worker_id)
 
-    def _preempt(self, victim: Request, beneficiary: Request, drop_state: bool) -> Command:
+    def _preempt(self, victim: Request, beneficiary: Request, drop_state: bool) -> list[Command]:
+        """Preempt ``victim``'s prefill: with a pack, every member (one Preempt each: the first
+        to arrive stops the pack; each is acknowledged on its own)."""
         assert victim.worker_id is not None
-        victim.state = RequestState.PREEMPTING
-        victim.preemptions += 1
-        self._workers[victim.worker_id].reserved_for = beneficiary.request_id
+        worker = self._workers[victim.worker_id]
+        worker.reserved_for = beneficiary.request_id
         self._counters["preemptions"] += 1
-        return Preempt(victim.request_id, victim.worker_id, drop_state=drop_state)
+        commands: list[Command] = []
+        for req in (victim, *packing.riders(worker, self._requests)):
+            req.state = RequestState.PREEMPTING
+            req.preemptions += 1
+            commands.append(Preempt(req.request_id, worker.worker_id, drop_state))
+        return commands
 
     def _overload_reason(self, now: float) -> str | None:
         queued = sum(1 for r in self._requests.values() if r.waiting and r.tier.sheddable)

@@ -30,22 +30,36 @@ _CLOSE = object()  # put in an outbox to end that worker's response stream
 class RemoteWorker:
     """The dispatcher's ``WorkerHandle`` for an attached worker: each command becomes one
     ``ControlMessage`` on its stream. An Assign carries the queued record's prompt and
-    sampling; the worker treats an Assign of a request it holds as "recompute"."""
+    sampling, and its tier's TBT target (a batched worker slots decode steps into a prefill by
+    it); the worker treats an Assign of a request it holds as "recompute"."""
 
     def __init__(self, outbox: asyncio.Queue, core: ServiceCore) -> None:
         self._outbox = outbox
         self._core = core
 
-    def assign(self, request_id: str) -> None:
+    def _assign_message(self, request_id: str) -> worker_pb2.Assign:
         r = self._core.record_for(request_id)
-        assign = worker_pb2.Assign(
+        return worker_pb2.Assign(
             request_id=r.request_id,
             prompt_ids=r.prompt_ids,
             max_new_tokens=r.max_new_tokens,
             sampling=r.sampling,
             stop_at_eos=r.stop_at_eos,
+            tbt_slo_s=self._core.tbt_slo_s(request_id) or 0.0,  # 0 on the wire: no target
         )
+
+    def assign(self, request_id: str) -> None:
+        assign = self._assign_message(request_id)
         self._outbox.put_nowait(worker_pb2.ControlMessage(assign=assign))
+
+    def assign_packed(self, request_ids: tuple[str, ...]) -> None:
+        members = [self._assign_message(rid) for rid in request_ids]
+        packed = worker_pb2.AssignPacked(members=members)
+        self._outbox.put_nowait(worker_pb2.ControlMessage(assign_packed=packed))
+
+    def pause_decode(self, request_id: str, drop_state: bool) -> None:
+        pause = worker_pb2.PauseDecode(request_id=request_id, drop_state=drop_state)
+        self._outbox.put_nowait(worker_pb2.ControlMessage(pause_decode=pause))
 
     def resume(self, request_id: str) -> None:
         resume = worker_pb2.Resume(request_id=request_id)
@@ -101,10 +115,13 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
             device=hello.device,
             chunk_size=hello.chunk_size,
             check=hello.check,
+            kv_slots=hello.kv_slots,
+            max_batch_size=hello.max_batch_size,
         )
         reader = asyncio.create_task(self._read(session, request_iterator))
         try:
-            self.core.worker_joined(hello.worker_id, RemoteWorker(session.outbox, self.core))
+            handle = RemoteWorker(session.outbox, self.core)
+            self.core.worker_joined(hello.worker_id, handle, hello.kv_slots)
             while True:
                 message = await session.outbox.get()
                 if message is _CLOSE:

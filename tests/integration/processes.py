@@ -60,7 +60,9 @@ def start_worker(
     model: str,
     chunk_size: int = 512,
     check: str = WorkerConfig.check,
+    extra: list[str] | None = None,
 ) -> ServiceProcess:
+    """``extra``: more command-line arguments (``--kv-slots 4``: a batched worker)."""
     args = python_module(
         "worker.process",
         "--queue-service",
@@ -75,6 +77,7 @@ def start_worker(
         check,
         "--device",
         "cpu",
+        *(extra or []),
     )
     proc = ServiceProcess(f"worker:{worker_id}", args, tmp / f"worker_{worker_id}.log")
     proc.wait_for_log("attached", timeout=120)

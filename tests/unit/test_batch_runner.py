@@ -10,7 +10,15 @@ from tests.unit.test_batch_engine import prompt, reference
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
 from worker.config import BatchConfig, EngineConfig
-from worker.events import Failed, Finished, FirstToken, Preempted, TokenOut
+from worker.events import (
+    Cancelled,
+    DecodeRejoined,
+    DecodeStepDone,
+    Failed,
+    Finished,
+    FirstToken,
+    Preempted,
+)
 from worker.request import GenerationRequest
 
 
@@ -25,10 +33,10 @@ class Stream:
 
     def __call__(self, event) -> None:
         self.events.put(event)
-        if isinstance(event, FirstToken | TokenOut):
-            n = self.counts[event.request_id] = self.counts.get(event.request_id, 0) + 1
-            if self.pause_after and self.pause_after[:2] == (event.request_id, n):
-                self.runner.preempt(event.request_id, drop_state=self.pause_after[2])
+        for rid, _, _ in tokens_of(event):
+            n = self.counts[rid] = self.counts.get(rid, 0) + 1
+            if self.pause_after and self.pause_after[:2] == (rid, n):
+                self.runner.preempt(rid, drop_state=self.pause_after[2])
 
     def until(self, kind, request_id: str | None = None):
         seen = []
@@ -53,11 +61,22 @@ def greedy(name, ids, n):
     return GenerationRequest(name, ids, max_new_tokens=n, stop_at_eos=False)
 
 
+def tokens_of(event) -> list[tuple[str, int, int]]:
+    """(request id, token, index) of every token an event carries."""
+    if isinstance(event, FirstToken):
+        return [(event.request_id, event.token_id, 0)]
+    if isinstance(event, DecodeStepDone):
+        return list(zip(event.request_ids, event.tokens, event.indexes, strict=True))
+    return []
+
+
 def collect_tokens(events) -> dict[str, list[int]]:
+    """Per request, its tokens in the order they were emitted; each index must come once."""
     tokens: dict[str, list[int]] = {}
     for e in events:
-        if isinstance(e, FirstToken | TokenOut):
-            tokens.setdefault(e.request_id, []).append(e.token_id)
+        for rid, token, index in tokens_of(e):
+            assert index == len(tokens.setdefault(rid, [])), (rid, index)
+            tokens[rid].append(token)
     return tokens
 
 
@@ -112,7 +131,87 @@ def test_paused_decode_resumes_and_streams_each_token_once(tiny_qwen2, drop_stat
     tokens = collect_tokens(events)
     for name, p in ids.items():
         assert tokens[name] == reference(model, p, 12)[0], name
+    rejoined = [e for e in events if isinstance(e, DecodeRejoined)]
+    # A recompute says so (the scheduler learns the request decodes again), sending no token.
+    assert [(e.request_id, e.recomputed_tokens) for e in rejoined] == (
+        [("p", 30 + 4 - 1)] if drop_state else []
+    )
     assert runner.engine.pool.used_slots == 0
+
+
+class PreemptInside:
+    """From a decoder layer's pre-hook (the engine thread), preempts ``request_id`` once the
+    layers have been called ``after`` times."""
+
+    def __init__(self, model, runner: BatchRunner, request_id: str, after: int) -> None:
+        self.runner, self.request_id, self.after, self.calls = runner, request_id, after, 0
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in model.model.layers]
+
+    def _hook(self, module, args) -> None:
+        self.calls += 1
+        if self.calls == self.after:
+            self.runner.preempt(self.request_id)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def test_a_packed_prefill_is_preempted_and_resumed_as_one_and_stays_exact(tiny_llama):
+    model = tiny_llama.model
+    stream = Stream()
+    runner = start(model, stream, slots=6, batch=4)
+    ids = {f"k{i}": prompt(9 + 7 * i, 500, seed=20 + i) for i in range(4)}
+    requests = [greedy(name, p, 6) for name, p in ids.items()]
+    # A Preempt naming one member (not the first) in layer 2 stops the whole pack.
+    trigger = PreemptInside(model, runner, "k2", after=2)
+    try:
+        runner.assign_packed(requests, [0.5] * 4)
+        for name in ids:
+            acked, _ = stream.until(Preempted, name)
+            assert not acked.state_dropped and acked.resume_point.layer == 2
+        trigger.remove()
+        assert runner.suspended_bytes > 0
+        runner.cancel("k0")  # one member goes while the pack is suspended
+        stream.until(Cancelled, "k0")
+        runner.resume("k3")  # a Resume of any member resumes the pack
+        events = drain(stream, ["k1", "k2", "k3"])
+    finally:
+        trigger.remove()
+        runner.stop()
+    firsts = {e.request_id: e for e in events if isinstance(e, FirstToken)}
+    assert sorted(firsts) == ["k1", "k2", "k3"]
+    assert all(
+        f.pack_size == 4 and f.pack_tokens == sum(map(len, ids.values())) for f in firsts.values()
+    )
+    tokens = collect_tokens(events)
+    for name in ("k1", "k2", "k3"):
+        assert tokens[name] == reference(model, ids[name], 6)[0], name
+    assert runner.engine.pool.used_slots == 0 and runner.suspended_bytes == 0
+
+
+def test_a_preempt_that_misses_the_last_boundary_pauses_the_decode_and_is_acknowledged(
+    tiny_llama,
+):
+    """With checks at chunk ends only (the chunked baseline), a Preempt inside a prompt's only
+    chunk finds its first token out: the request is paused (and acknowledged), not lost."""
+    model = tiny_llama.model
+    stream = Stream()
+    engine = BatchEngine(model, EngineConfig(chunk_size=64, check="chunk"), BatchConfig(4, 4, 160))
+    runner = stream.runner = BatchRunner(engine, stream).start()
+    ids = prompt(30, 500, seed=9)
+    trigger = PreemptInside(model, runner, "m", after=2)
+    try:
+        runner.assign(greedy("m", ids, 8))
+        acked, before = stream.until(Preempted, "m")
+        trigger.remove()
+        assert not acked.state_dropped and any(isinstance(e, FirstToken) for e in before)
+        runner.resume("m")
+        events = before + drain(stream, ["m"])
+    finally:
+        trigger.remove()
+        runner.stop()
+    assert collect_tokens(events)["m"] == reference(model, ids, 8)[0]
 
 
 def test_bad_requests_fail_clearly_and_the_runner_keeps_serving(tiny_llama):

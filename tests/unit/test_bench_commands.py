@@ -73,6 +73,25 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_policy_bench_with_batched_workers_reports_tbt_and_decode(tmp_path):
+    out = tmp_path / "batched.json"
+    args = ["bench", "--model", "tiny-llama", "--quick", "--duration", "4", "--batch"]
+    args += ["--kv-slots", "6", "--max-new-tokens", "12", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
+    for name, p in result["policies"].items():
+        assert p["lost"] == 0 and p["engine"]["kv_slots"] == 6, name
+        assert p["output_tok_s"] > 0 and p["completed_tok_s"] > p["output_tok_s"]
+        assert p["decode"]["steps"] > 0 and p["decode"]["mean_rows"] >= 1
+        outputs = 0
+        for tier, t in p["tiers"].items():
+            assert set(t["tbt_ms"]) == {"p50", "p99"}, (name, tier)
+            assert t["tbt_slo_ms"] > 0  # config/tiers.toml sets one per tier
+            outputs += t["output_tokens"]
+        assert outputs > sum(t["completed"] for t in p["tiers"].values())  # more than 1 each
+
+
 def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     out = tmp_path / "batch.json"
     args = ["engine-bench", "--batch", "--model", "tiny-llama", "--quick"]

@@ -138,4 +138,11 @@ def test_a_batched_worker_decodes_requests_together_and_streams_each_token_once(
     spans = sorted((r.first_token_at, r.done_at) for r in records)
     overlapping = sum(a[1] > b[0] for a, b in itertools.pairwise(spans))
     assert overlapping > 0  # some requests decoded at the same time
+    assert result.counters.get("packs", 0) >= 1  # waiting short prompts were prefilled together
+    assert result.decode_rows > result.decode_steps  # more than one row per step on average
+    vocab = model.config.vocab_size
+    with torch.no_grad():  # packed or not, each first token is the request's own
+        for a in arrivals:
+            logits = model(torch.tensor([prompt_ids(a, vocab)])).logits[0, -1]
+            assert result.records[a.request_id].first_token == int(logits.argmax()), a
     assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from queue_service.scheduler import (
     Assign,
-    Preempt,
+    PauseDecode,
     PreemptionAcked,
     PrefillFinished,
     PrefillTimePredictor,
@@ -56,7 +56,7 @@ def test_full_kv_slots_drop_the_newest_lowest_tier_decode_for_a_higher_tier():
         assert arrive(sched, rid, "batch", 100, i * 0.1, new_tokens=300) == [Assign(rid, "w0")]
         assert first_token(sched, rid, i * 0.1 + 0.05) == []
     commands = arrive(sched, "c", "critical", 100, 0.3)
-    assert commands == [Preempt("y", "w0", drop_state=True)]  # the newest batch decode
+    assert commands == [PauseDecode("y", "w0", drop_state=True)]  # the newest batch decode
     ack = PreemptionAcked("y", "w0", 100, state_dropped=True)
     assert step(sched, ack, 0.35) == [Assign("c", "w0")]
     assert sched.state_of("y") is RequestState.QUEUED  # recomputes later
@@ -72,7 +72,7 @@ def test_a_prefill_at_risk_pauses_lower_tier_decode_until_its_first_token():
     # 900 tokens = 0.9 s + the margin: past the critical SLO of 1 s: at risk from the start.
     commands = arrive(sched, "c", "critical", 900, 0.3)
     assert commands[0] == Assign("c", "w0")
-    assert set(commands[1:]) == {Preempt("x", "w0", False), Preempt("s", "w0", False)}
+    assert set(commands[1:]) == {PauseDecode("x", "w0", False), PauseDecode("s", "w0", False)}
     assert step(sched, PreemptionAcked("x", "w0", 100, False), 0.31) == []
     assert step(sched, PreemptionAcked("s", "w0", 100, False), 0.32) == []
     assert sched.suspended()["w0"] == ("x", "s")

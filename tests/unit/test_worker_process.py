@@ -418,6 +418,125 @@ def test_main_attaches_and_exits_0_on_sigterm(queue_service):
     assert "attached" in events and "stopped" in events
 
 
+# ---------------------------------------------------------------- a batched worker
+
+
+@pytest.fixture
+def batched_worker(queue_service, tiny_llama):
+    config = WorkerConfig(
+        queue_service=queue_service.address,
+        worker_id="w-batched",
+        chunk_size=16,
+        heartbeat_interval_s=0.05,
+        kv_slots=4,
+        max_batch_size=3,
+        slot_tokens=128,
+    )
+    process = WorkerProcess(config, loaded_model=tiny_llama).start()
+    yield process
+    process.stop()
+    assert process.wait(WAIT_S), "worker did not stop"
+
+
+def streamed_tokens(seen: list[Received]) -> dict[str, list[int]]:
+    """Per request, the tokens of first_token and decode_step messages, in stream order;
+    each position must come exactly once, in order."""
+    tokens: dict[str, list[int]] = {}
+    for item in seen:
+        if item.kind == "first_token":
+            triples = [(item.body.request_id, item.body.token_id, 0)]
+        elif item.kind == "decode_step":
+            triples = [(t.request_id, t.token_id, t.index) for t in item.body.tokens]
+        else:
+            continue
+        for rid, token, index in triples:
+            assert index == len(tokens.setdefault(rid, [])), (rid, index)
+            tokens[rid].append(token)
+    return tokens
+
+
+def test_a_batched_worker_packs_decodes_together_and_streams_each_token_once(
+    batched_worker, queue_service, tiny_llama
+):
+    from tests.unit.test_batch_engine import reference
+
+    session = attached_hello(queue_service)
+    assert (session.hello.kv_slots, session.hello.max_batch_size) == (4, 3)
+    assert session.hello.slot_tokens == 128
+    ids = {"p": prompt(12, 11), "q": prompt(20, 12), "r": prompt(33, 13)}
+    members = [no_eos(assign(name, ids[name], 10), tbt_slo_s=0.5) for name in ("p", "q")]
+    session.send(assign_packed=worker_pb2.AssignPacked(members=members))
+    session.send(assign=no_eos(assign("r", ids["r"], 10), tbt_slo_s=0.5))
+    seen = until_done(session, {"p", "q", "r"})
+    firsts = {r.body.request_id: r.body for r in seen if r.kind == "first_token"}
+    assert (firsts["p"].pack_size, firsts["p"].pack_tokens) == (2, 32)
+    assert firsts["r"].pack_size == 0  # prefilled alone
+    tokens = streamed_tokens(seen)
+    for name, p in ids.items():
+        assert tokens[name] == reference(tiny_llama.model, p, 10)[0], name
+    assert max(len(r.body.tokens) for r in seen if r.kind == "decode_step") > 1
+    assert not any(r.kind == "token" for r in seen)  # a step carries its rows' tokens
+
+    # A request larger than a KV slot fails clearly; the worker keeps serving.
+    session.send(assign=assign("big", prompt(120, 14), 20))
+    failed = session.until("failed")[-1].body
+    assert failed.request_id == "big" and failed.invalid_request
+    assert "larger than a KV slot" in failed.error
+    session.send(assign=assign("after", prompt(10, 15), 2))
+    assert session.until("done")[-1].body.request_id == "after"
+
+
+def attached_hello(queue_service) -> FakeSession:
+    session = queue_service.next_session()
+    hello = session.next()
+    assert hello is not None and hello.kind == "hello"
+    session.hello = hello.body
+    return session
+
+
+def no_eos(message: worker_pb2.Assign, **fields: Any) -> worker_pb2.Assign:
+    message.stop_at_eos = False
+    for name, value in fields.items():
+        setattr(message, name, value)
+    return message
+
+
+def until_done(session: FakeSession, names: set[str]) -> list[Received]:
+    seen: list[Received] = []
+    left = set(names)
+    while left:
+        item = session.next()
+        assert item is not None, "stream ended"
+        seen.append(item)
+        if item.kind in ("done", "failed"):
+            assert item.kind == "done", item.body
+            left.discard(item.body.request_id)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (dict(kv_slots=2, max_batch_size=0), "max_batch_size must be >= 1"),
+        (dict(kv_slots=-1), "kv_slots must be >= 0"),
+        (dict(max_batch_size=4), "set kv_slots >= 1"),
+        (dict(kv_slots=2, max_batch_size=3), "cannot exceed pool_slots"),
+        (dict(kv_slots=2, slot_tokens=0), "slot_tokens must be >= 1"),
+    ],
+)
+def test_batch_and_pool_sizes_are_checked_with_a_clear_error(sizes, message, capsys):
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(queue_service="127.0.0.1:1", **sizes)
+    from worker.cli import main
+
+    argv = ["--queue-service", "127.0.0.1:1"]
+    for name, value in sizes.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- wire and backoff, no server
 
 

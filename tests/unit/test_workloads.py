@@ -86,3 +86,30 @@ def test_the_real_azure_trace_replays():
     assert w == load_trace_workload(
         AZURE_TRACE, TraceOptions(duration_s=120, length_scale=0.5, seed=1)
     )
+
+
+def test_synthetic_outputs_spread_below_the_longest_and_keep_the_arrivals():
+    prefill_only = synthetic(duration_s=200, seed=5)
+    decoding = synthetic(duration_s=200, seed=5, max_new_tokens=128)
+    # Same arrivals, same prompts: only the output lengths differ.
+    assert [(a.at_s, a.tier, a.prompt_tokens) for a in decoding.arrivals] == [
+        (a.at_s, a.tier, a.prompt_tokens) for a in prefill_only.arrivals
+    ]
+    assert {a.max_new_tokens for a in prefill_only.arrivals} == {1}
+    lengths = sorted(a.max_new_tokens for a in decoding.arrivals)
+    assert lengths[0] >= 1 and lengths[-1] <= 128
+    median = lengths[len(lengths) // 2]
+    assert 16 <= median <= 64  # a quarter of the longest, give or take the draw
+    assert lengths[-1] > 2 * median  # a long tail
+    assert decoding == synthetic(duration_s=200, seed=5, max_new_tokens=128)
+
+
+def test_trace_output_lengths_scale_and_clip(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,100,10\n"
+        "2023-11-16 18:17:04.0319600,60,800\n"
+    )
+    opts = TraceOptions(duration_s=10, max_new_tokens=200, output_scale=0.5)
+    assert [a.max_new_tokens for a in load_trace_workload(path, opts).arrivals] == [5, 200]

@@ -8,18 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Assign(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos")
+    __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "tbt_slo_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     sampling: _serving_pb2.SamplingParams
     stop_at_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ...) -> None: ...
+    tbt_slo_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., tbt_slo_s: _Optional[float] = ...) -> None: ...
+
+class AssignPacked(_message.Message):
+    __slots__ = ("members",)
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[Assign]
+    def __init__(self, members: _Optional[_Iterable[_Union[Assign, _Mapping]]] = ...) -> None: ...
+
+class PauseDecode(_message.Message):
+    __slots__ = ("request_id", "drop_state")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DROP_STATE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    drop_state: bool
+    def __init__(self, request_id: _Optional[str] = ..., drop_state: _Optional[bool] = ...) -> None: ...
 
 class Preempt(_message.Message):
     __slots__ = ("request_id", "drop_state")
@@ -46,21 +62,25 @@ class Drain(_message.Message):
     def __init__(self) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("assign", "preempt", "resume", "cancel", "drain")
+    __slots__ = ("assign", "preempt", "resume", "cancel", "drain", "assign_packed", "pause_decode")
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_PACKED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_DECODE_FIELD_NUMBER: _ClassVar[int]
     assign: Assign
     preempt: Preempt
     resume: Resume
     cancel: Cancel
     drain: Drain
-    def __init__(self, assign: _Optional[_Union[Assign, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
+    assign_packed: AssignPacked
+    pause_decode: PauseDecode
+    def __init__(self, assign: _Optional[_Union[Assign, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., assign_packed: _Optional[_Union[AssignPacked, _Mapping]] = ..., pause_decode: _Optional[_Union[PauseDecode, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model", "device", "dtype", "num_layers", "max_positions", "chunk_size", "check", "memory_cap_bytes")
+    __slots__ = ("worker_id", "model", "device", "dtype", "num_layers", "max_positions", "chunk_size", "check", "memory_cap_bytes", "kv_slots", "max_batch_size", "slot_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +90,9 @@ class Hello(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     device: str
@@ -79,7 +102,10 @@ class Hello(_message.Message):
     chunk_size: int
     check: str
     memory_cap_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., max_positions: _Optional[int] = ..., chunk_size: _Optional[int] = ..., check: _Optional[str] = ..., memory_cap_bytes: _Optional[int] = ...) -> None: ...
+    kv_slots: int
+    max_batch_size: int
+    slot_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., max_positions: _Optional[int] = ..., chunk_size: _Optional[int] = ..., check: _Optional[str] = ..., memory_cap_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slot_tokens: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("request_id", "tokens_done", "prompt_tokens", "layers_done", "num_layers", "chunk_end")
@@ -124,24 +150,48 @@ class Preempted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., resume_point: _Optional[_Union[ResumePoint, _Mapping]] = ..., held_bytes: _Optional[int] = ..., state_dropped: _Optional[bool] = ..., latency_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerFirstToken(_message.Message):
-    __slots__ = ("request_id", "token_id", "prefill_busy_ms", "prompt_tokens")
+    __slots__ = ("request_id", "token_id", "prefill_busy_ms", "prompt_tokens", "pack_tokens", "pack_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACK_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     prefill_busy_ms: float
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., prefill_busy_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    pack_tokens: int
+    pack_size: int
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., prefill_busy_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., pack_tokens: _Optional[int] = ..., pack_size: _Optional[int] = ...) -> None: ...
 
 class WorkerToken(_message.Message):
-    __slots__ = ("request_id", "token_id")
+    __slots__ = ("request_id", "token_id", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class DecodeStep(_message.Message):
+    __slots__ = ("tokens", "step_ms", "slotted")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOTTED_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[WorkerToken]
+    step_ms: float
+    slotted: bool
+    def __init__(self, tokens: _Optional[_Iterable[_Union[WorkerToken, _Mapping]]] = ..., step_ms: _Optional[float] = ..., slotted: _Optional[bool] = ...) -> None: ...
+
+class DecodeRejoined(_message.Message):
+    __slots__ = ("request_id", "recomputed_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    recomputed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerDone(_message.Message):
     __slots__ = ("request_id", "output_ids", "busy_ms", "preemptions")
@@ -180,7 +230,7 @@ class Heartbeat(_message.Message):
     def __init__(self, suspended_bytes: _Optional[int] = ..., running_request_id: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "progress", "preempted", "first_token", "token", "done", "cancelled", "failed", "heartbeat")
+    __slots__ = ("hello", "progress", "preempted", "first_token", "token", "done", "cancelled", "failed", "heartbeat", "decode_step", "decode_rejoined")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +240,8 @@ class WorkerMessage(_message.Message):
     CANCELLED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REJOINED_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     progress: Progress
     preempted: Preempted
@@ -199,4 +251,6 @@ class WorkerMessage(_message.Message):
     cancelled: WorkerCancelled
     failed: WorkerFailed
     heartbeat: Heartbeat
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ..., first_token: _Optional[_Union[WorkerFirstToken, _Mapping]] = ..., token: _Optional[_Union[WorkerToken, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., cancelled: _Optional[_Union[WorkerCancelled, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    decode_step: DecodeStep
+    decode_rejoined: DecodeRejoined
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ..., first_token: _Optional[_Union[WorkerFirstToken, _Mapping]] = ..., token: _Optional[_Union[WorkerToken, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., cancelled: _Optional[_Union[WorkerCancelled, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., decode_step: _Optional[_Union[DecodeStep, _Mapping]] = ..., decode_rejoined: _Optional[_Union[DecodeRejoined, _Mapping]] = ...) -> None: ...

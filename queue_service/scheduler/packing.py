@@ -1,0 +1,153 @@
+"""SLO-aware packed prefill (FlowPrefill's prefill batching) on batched workers.
+
+When a batched worker's prefill frees, the request placed there may take the requests ranked
+right after it into the same forward (``worker.packed_prefill``: whole prompts concatenated,
+a block-diagonal causal mask). One forward over several short prompts wastes far less of the
+machine than one forward each. A pack is formed only when:
+
+- every member is a short, fresh prompt (``max_pack_tokens`` together, no state anywhere, no
+  token produced yet: a dropped decode recomputes alone), and the worker has a KV slot for each;
+- members are the ones next in the policy's order (requests placed on other workers are
+  skipped; the first one that cannot be packed ends the pack), so packing never lets a request
+  overtake one ranked before it, it only merges consecutive prefills;
+- the pack's predicted time, inflated by the predictor's error margin, still meets the
+  tightest deadline among its members (members that would miss theirs even alone, and so gain
+  nothing from waiting, do not constrain it).
+
+The pack's cost is learnt (``PackCost``): packed prefills are measured like single ones and fit
+with the same model over the pack's total tokens; until enough packs were measured the
+single-prompt predictor of as many tokens stands in (the packed row's attention is computed
+densely under the mask, so a pack costs about what a prompt of its total length does).
+
+A pack is one unit of work on its worker: its first member holds the worker's prefill
+(``WorkerSlot.active``), the others ride along (``WorkerSlot.riders``), a preemption stops and
+suspends all of it, a resume of any member resumes all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from queue_service.scheduler.planner import Estimator
+from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
+from queue_service.scheduler.request import Request, RequestState, WorkerSlot
+
+
+@dataclass(frozen=True)
+class PackLimits:
+    max_size: int  # requests in one pack; below 2: no packing
+    max_tokens: int  # prompt tokens of one pack together
+
+
+class PackCost:
+    """Predicted seconds of a packed prefill of ``tokens`` prompt tokens, learnt from packs."""
+
+    def __init__(self, single: PrefillTimePredictor, *, min_samples: int = 8) -> None:
+        self.single = single
+        self.own = PrefillTimePredictor(*single.coefficients, min_samples=min_samples)
+
+    @property
+    def fitted(self) -> bool:
+        """Enough packs were measured for their own fit to stand."""
+        return len(self.own.samples) >= self.own.min_samples
+
+    def predict(self, tokens: int) -> float:
+        return (self.own if self.fitted else self.single).predict(tokens)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens >= 1 and seconds > 0:
+            self.own.observe(PrefillSample(tokens, 0, seconds))
+
+
+def packable(req: Request, limits: PackLimits) -> bool:
+    """A fresh short prompt: nothing computed anywhere, no token sent yet."""
+    return (
+        req.state is RequestState.QUEUED
+        and req.first_token_s is None
+        and req.prompt_tokens <= limits.max_tokens
+    )
+
+
+def choose_pack(
+    head: Request,
+    worker: WorkerSlot,
+    ranked: Sequence[Request],
+    placed: Collection[str],
+    cost: PackCost,
+    estimator: Estimator,
+    limits: PackLimits,
+    now: float,
+) -> list[Request]:
+    """The requests to prefill together with ``head``, which was just placed on ``worker``
+    (``ranked``: the policy's order; ``placed``: requests placed on some worker now). Empty
+    when ``head`` prefills alone."""
+    if limits.max_size < 2 or not worker.batched or not packable(head, limits):
+        return []
+    free_slots = worker.kv_slots - worker.held - 1  # the head's slot is not counted yet
+    margin = estimator.errors.margin()
+    members, tokens = [head], head.prompt_tokens
+    for req in ranked[ranked.index(head) + 1 :]:
+        if req.request_id in placed or not req.waiting:
+            continue  # starts elsewhere now (alone or in a pack): not in this worker's line
+        if len(members) >= limits.max_size or free_slots < len(members):
+            break
+        if not packable(req, limits) or tokens + req.prompt_tokens > limits.max_tokens:
+            break
+        finish = now + cost.predict(tokens + req.prompt_tokens) * (1.0 + margin)
+        if not _meets_deadlines([*members, req], finish, estimator, margin, now):
+            break
+        members.append(req)
+        tokens += req.prompt_tokens
+    return members[1:]
+
+
+def _meets_deadlines(
+    members: Iterable[Request], finish: float, estimator: Estimator, margin: float, now: float
+) -> bool:
+    for req in members:
+        alone = now + estimator.prefill_left(req, now) * (1.0 + margin)
+        if alone <= req.deadline_s < finish:
+            return False  # it would make it alone, and not in the pack
+    return True
+
+
+# ---------------------------------------------------------------- a pack's records
+
+
+def start(members: Sequence[Request], worker: WorkerSlot) -> None:
+    """Mark a fresh or suspended pack running on ``worker``: its first member holds the
+    prefill, the others ride along."""
+    ids = tuple(r.request_id for r in members)
+    worker.active = ids[0]
+    for req in members:
+        req.pack = ids
+        if req is not members[0]:
+            worker.riders[req.request_id] = None
+
+
+def suspended_siblings(
+    req: Request, worker: WorkerSlot, requests: Mapping[str, Request]
+) -> list[Request]:
+    """The other members of ``req``'s pack whose (shared) state ``worker`` holds."""
+    return [
+        requests[rid]
+        for rid in req.pack
+        if rid != req.request_id and rid in requests and rid in worker.suspended
+    ]
+
+
+def riders(worker: WorkerSlot, requests: Mapping[str, Request]) -> list[Request]:
+    """The members of the running pack other than its first (which holds ``active``)."""
+    return [requests[rid] for rid in worker.riders if rid in requests]
+
+
+def leave(req: Request, worker: WorkerSlot, *, pack_goes_on: bool = False) -> None:
+    """``req`` no longer prefills on ``worker``: its first token is out or it stopped (with
+    its whole pack), or it was cancelled (``pack_goes_on``: the next member then holds the
+    prefill for the rest of its pack)."""
+    worker.riders.pop(req.request_id, None)
+    if worker.active == req.request_id:
+        worker.active = next(iter(worker.riders), None) if pack_goes_on else None
+        if worker.active is not None:
+            del worker.riders[worker.active]

@@ -1,0 +1,191 @@
+"""Packed prefill and decode-step timing in the scheduler, on a fake clock.
+
+1000 prompt tokens = 1 s of prefill (packed or not, until packs are measured); SLOs: critical
+1 s, standard 5 s, batch 100 s; the prediction margin is 0.2 until measured.
+"""
+
+from __future__ import annotations
+
+from queue_service.scheduler import (
+    Assign,
+    AssignPacked,
+    DecodeStepDone,
+    PauseDecode,
+    Preempt,
+    PreemptionAcked,
+    PrefillFinished,
+    PrefillTimePredictor,
+    RequestCancelled,
+    RequestDone,
+    RequestState,
+    Resume,
+    Scheduler,
+    SchedulerConfig,
+    WorkerJoined,
+    make_policy,
+)
+from tests.unit.test_scheduler import TIERS, arrive, step
+from tierflow.tiers import TierPolicy, TierTable
+
+
+def batched(policy="flowprefill", kv_slots=8, tiers=TIERS, **config) -> Scheduler:
+    config.setdefault("refit_predictor", False)
+    sched = Scheduler(
+        make_policy(policy),
+        tiers,
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),
+        SchedulerConfig(**config),
+    )
+    assert step(sched, WorkerJoined("w0", kv_slots=kv_slots), 0.0) == []
+    return sched
+
+
+def first_token(sched, rid, now, tokens=100, prefill_s=0.1, pack_tokens=0):
+    return step(sched, PrefillFinished(rid, "w0", tokens, prefill_s, pack_tokens), now)
+
+
+def busy_with(sched, rid="long", tier="critical", tokens=400) -> None:
+    """The worker prefills ``rid`` from t=0, so that the next arrivals wait for it (a critical
+    request: no later arrival may preempt it)."""
+    assert arrive(sched, rid, tier, tokens, 0.0, new_tokens=50) == [Assign(rid, "w0")]
+
+
+def test_waiting_short_prompts_are_packed_into_one_prefill():
+    sched = batched()
+    busy_with(sched)
+    for i, rid in enumerate(("a", "b", "c")):
+        assert arrive(sched, rid, "standard", 100, 0.1 + 0.01 * i) == []
+    # 300 tokens, 0.3 s x 1.2: every member makes its 5 s SLO in the pack.
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b", "c"), "w0")]
+    assert all(sched.state_of(r) is RequestState.RUNNING for r in "abc")
+    assert sched.running()["w0"] == "a" and sched.counters["packs"] == 1
+    # Each member reports its own first token; the worker's prefill is free after the pack.
+    assert arrive(sched, "d", "standard", 100, 0.5) == []
+    assert first_token(sched, "a", 0.7, pack_tokens=300, prefill_s=0.3) == [Assign("d", "w0")]
+    for rid in ("b", "c"):
+        assert first_token(sched, rid, 0.7, pack_tokens=300, prefill_s=0.3) == []
+    assert all(sched.state_of(r) is RequestState.DECODING for r in "abc")
+
+
+def test_a_pack_ends_before_a_member_whose_deadline_it_would_break():
+    sched = batched()
+    busy_with(sched)
+    assert arrive(sched, "c", "critical", 100, 0.1) == []  # due at 1.1
+    assert arrive(sched, "s1", "standard", 200, 0.1) == []
+    assert arrive(sched, "s2", "standard", 200, 0.2) == []
+    assert arrive(sched, "s3", "standard", 100, 0.3) == []
+    # At 0.5, c + s1 + s2: 500 tokens, 0.5 s x 1.2 -> done at 1.1, c's deadline: packed.
+    # With s3, 1.22: c would miss a deadline it makes alone (0.62): the pack ends before s3.
+    assert first_token(sched, "long", 0.5) == [AssignPacked(("c", "s1", "s2"), "w0")]
+
+
+def test_packing_never_lets_a_request_overtake_one_ranked_before_it():
+    sched = batched(policy="priority", max_pack_tokens=512)
+    busy_with(sched)
+    assert arrive(sched, "a", "standard", 100, 0.1) == []
+    assert arrive(sched, "big", "standard", 600, 0.2) == []  # too long to pack: ends the pack
+    assert arrive(sched, "b", "standard", 100, 0.3) == []
+    assert first_token(sched, "long", 0.4) == [Assign("a", "w0")]
+    # Limits: at most max_pack_size requests and max_pack_tokens tokens together.
+    small = batched(max_pack_size=2)
+    busy_with(small)
+    for i, rid in enumerate("xyz"):
+        assert arrive(small, rid, "standard", 50, 0.1 + 0.01 * i) == []
+    assert first_token(small, "long", 0.4) == [AssignPacked(("x", "y"), "w0")]
+
+
+def test_no_pack_without_free_kv_slots_nor_on_an_unbatched_worker():
+    sched = batched(kv_slots=3)
+    busy_with(sched)
+    for i, rid in enumerate("abc"):
+        assert arrive(sched, rid, "standard", 50, 0.1 + 0.01 * i) == []
+    # "long" decodes in one slot: two are left for a and b.
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
+    unbatched = Scheduler(
+        make_policy("flowprefill"), TIERS, PrefillTimePredictor(a=1e-3, b=0.0, c=0.0)
+    )
+    assert step(unbatched, WorkerJoined("w0"), 0.0) == []
+    busy_with(unbatched)
+    assert arrive(unbatched, "a", "standard", 50, 0.1) == []
+    assert arrive(unbatched, "b", "standard", 50, 0.1) == []
+    assert step(unbatched, PrefillFinished("long", "w0", 400, 0.4), 0.4) == []  # it decodes
+
+
+def test_a_pack_is_preempted_and_resumed_as_one_unit():
+    sched = batched()
+    busy_with(sched, tier="batch")
+    for i, rid in enumerate(("a", "b")):
+        assert arrive(sched, rid, "batch", 200, 0.1 + 0.01 * i) == []
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
+    # 900 critical tokens cannot wait for the 0.4 s pack: one Preempt per member.
+    commands = arrive(sched, "c", "critical", 900, 0.45)
+    assert commands == [Preempt("a", "w0", False), Preempt("b", "w0", False)]
+    # The first ack means the pack stopped: c starts (and, at risk, pauses the batch decode).
+    assert step(sched, PreemptionAcked("a", "w0", 0, False), 0.46) == [
+        Assign("c", "w0"),
+        PauseDecode("long", "w0", False),
+    ]
+    assert step(sched, PreemptionAcked("b", "w0", 0, False), 0.46) == []
+    assert step(sched, PreemptionAcked("long", "w0", 400, False), 0.47) == []
+    assert sched.suspended()["w0"] == ("a", "b", "long")
+    # One Resume (of the best-ranked member) resumes both; the paused decode rejoins.
+    assert set(first_token(sched, "c", 1.3, tokens=900)) == {
+        Resume("a", "w0"),
+        Resume("long", "w0"),
+    }
+    assert all(sched.state_of(r) is RequestState.RUNNING for r in "ab")
+    assert first_token(sched, "b", 1.6, pack_tokens=400, prefill_s=0.4) == []
+    assert first_token(sched, "a", 1.6, pack_tokens=400, prefill_s=0.4) == []
+    assert sched.running()["w0"] is None
+
+
+def test_a_cancelled_first_member_hands_the_prefill_to_the_rest_of_its_pack():
+    sched = batched()
+    busy_with(sched)
+    for i, rid in enumerate(("a", "b")):
+        assert arrive(sched, rid, "standard", 100, 0.1 + 0.01 * i) == []
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
+    assert step(sched, RequestCancelled("a"), 0.45)[0].request_id == "a"
+    assert sched.running()["w0"] == "b"  # the pack goes on for b: the prefill is not free
+    assert arrive(sched, "d", "standard", 100, 0.5) == []
+    assert first_token(sched, "b", 0.6, pack_tokens=200, prefill_s=0.2) == [Assign("d", "w0")]
+
+
+def test_measured_packs_teach_the_pack_cost():
+    """Packs measured 3x slower than one prompt of their length: packing then stops where
+    the learnt cost would break a deadline."""
+    sched = batched(refit_predictor=True)
+
+    def pair_after_a_blocker(i: int, now: float) -> list:
+        blocker, ids = f"blk{i}", (f"p{i}a", f"p{i}b")
+        assert arrive(sched, blocker, "critical", 100, now) == [Assign(blocker, "w0")]
+        for rid in ids:
+            assert arrive(sched, rid, "critical", 150, now + 0.01) == []
+        commands = first_token(sched, blocker, now + 0.1)
+        for rid in (blocker, *ids):
+            step(sched, PrefillFinished(rid, "w0", 150, 0.9, 300), now + 1.0)
+            step(sched, RequestDone(rid, "w0"), now + 1.0)
+        return commands
+
+    for i in range(8):
+        assert pair_after_a_blocker(i, 2.0 * i) == [AssignPacked((f"p{i}a", f"p{i}b"), "w0")]
+    # 300 tokens are now predicted to take ~0.9 s (x 1.2): the pair would miss its 1 s SLO.
+    assert pair_after_a_blocker(8, 20.0) == [Assign("p8a", "w0")]
+
+
+def test_decode_step_times_count_against_a_prefill_on_the_same_worker():
+    tiers = TierTable(
+        [
+            TierPolicy("critical", 0, 1.0, tbt_slo_s=0.2),
+            TierPolicy("standard", 1, 5.0, tbt_slo_s=0.2),
+            TierPolicy("batch", 2, 100.0, sheddable=True, tbt_slo_s=0.2),
+        ]
+    )
+    sched = batched(kv_slots=4, tiers=tiers, max_pack_size=1)
+    assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    # 600 tokens: 0.6 s x 1.2 = 0.72 s, on time (due at 1.2): decode is left alone...
+    assert arrive(sched, "c", "critical", 600, 0.2) == [Assign("c", "w0")]
+    # ...until the worker reports 0.1 s steps: one per 0.2 s TBT doubles the prefill's time.
+    assert step(sched, DecodeStepDone("w0", 1, 0.1), 0.21) == []
+    assert arrive(sched, "s", "standard", 10, 0.22) == [PauseDecode("x", "w0", False)]
