@@ -377,7 +377,8 @@ class PrefillEngine:
 
         Built before any layer appends this chunk to the cache. Only a first chunk (no past)
         may use SDPA's causal fast path (mask None); with a past, None would let every query
-        see every key. A single query may attend to all keys when attention is full.
+        see every key. Eager attention has no such fast path (None means no mask at all), so
+        it always gets one. A single query may attend to all keys when attention is full.
         """
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)
         rotary = self.rotary(hidden, position_ids)
@@ -386,7 +387,8 @@ class PrefillEngine:
         for layer_type in set(self.layer_types):
             window = self.sliding_window if layer_type == "sliding_attention" else None
             needs_window = window is not None and end > window
-            if not needs_window and (start == 0 or q_len == 1):
+            causal_fast_path = start == 0 and self.attn_impl == "sdpa"
+            if not needs_window and (causal_fast_path or q_len == 1):
                 masks[layer_type] = None
                 continue
             q = position_ids[0].unsqueeze(1)

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from tests.attention import ATTENTION, model_with_attention
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
@@ -80,11 +81,12 @@ def reference_logits(model, ids) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1]
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("chunk_size", [5, 48, None])
 @pytest.mark.parametrize("check", ["layer", "half"])
-def test_preempted_prefill_gives_exact_logits(request, model_fixture, chunk_size, check):
-    loaded = request.getfixturevalue(model_fixture)
+def test_preempted_prefill_gives_exact_logits(request, model_fixture, chunk_size, check, attn):
+    loaded = model_with_attention(request, model_fixture, attn)
     model = loaded.model
     ids = prompt(130, model.config.vocab_size, seed=7)
     expected = reference_logits(model, ids)
@@ -176,9 +178,10 @@ def test_interleaving_three_tasks(tiny_qwen2):
     assert engine.suspended_bytes == 0
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
-def test_greedy_tokens_after_resume_match_generate(request, model_fixture):
-    loaded = request.getfixturevalue(model_fixture)
+def test_greedy_tokens_after_resume_match_generate(request, model_fixture, attn):
+    loaded = model_with_attention(request, model_fixture, attn)
     model = loaded.model
     ids = prompt(90, model.config.vocab_size, seed=11)
     with torch.no_grad():
@@ -217,8 +220,9 @@ def test_sampling_is_seeded(tiny_llama):
     assert sample_once(params) != sample_once(SamplingParams(temperature=1.5, top_p=0.9, seed=43))
 
 
-def test_memory_cap_drops_state_and_recompute_is_exact(tiny_llama):
-    model = tiny_llama.model
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_memory_cap_drops_state_and_recompute_is_exact(request, attn):
+    model = model_with_attention(request, "tiny_llama", attn).model
     ids = prompt(100, model.config.vocab_size, seed=5)
     engine = PrefillEngine(model, EngineConfig(chunk_size=25, check="layer", memory_cap_bytes=1))
     channel = PreemptionChannel()
