@@ -79,6 +79,9 @@ class QueueService:
             ),
             instance_id=config.instance_id,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+            eos_ids=frozenset(
+                i for i in (info.tokenizer.token_id(info.tokenizer.eos_token),) if i is not None
+            ),
         )
         self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
         self.clients = ClientApi(

@@ -10,6 +10,13 @@ this loop. Other I/O is injected:
 
 Client streams register a queue per request id; events for a request whose client is on another
 instance (``record.reply_to``) go to that instance through ``publish_reply``.
+
+Each token reaches the client once. A request that must run again after its first token (its
+worker died, or its state was dropped and it lands on another worker) is assigned as a
+continuation: its prompt followed by the tokens already streamed, for the tokens still to come
+(``continuation``); that run's first token is the request's next token. A worker that recomputes
+its own dropped state produces no token twice (``worker.engine``). A request whose worker died
+after its last token but before ``Done`` is completed here.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class ServiceCore:
         *,
         instance_id: str,
         decode: Callable[[list[int]], str],
+        eos_ids: frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
         remember_finished: int = 10_000,
     ) -> None:
@@ -106,6 +114,7 @@ class ServiceCore:
         self.transport = transport
         self.instance_id = instance_id
         self.decode = decode
+        self.eos_ids = eos_ids  # a streamed request that ends with one of these is complete
         self.clock = clock
         self.live: dict[str, LiveRequest] = {}
         self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
@@ -183,17 +192,29 @@ class ServiceCore:
     def worker_left(self, worker_id: str) -> None:
         if worker_id not in self.dispatcher.handles:
             return
-        for live in self.live.values():
-            if live.worker_id == worker_id:
-                live.worker_id = None
-                live.state = Status.QUEUED
-                live.output_ids.clear()
+        held = [live for live in self.live.values() if live.worker_id == worker_id]
+        for live in held:
+            if self._streamed_to_the_end(live):
+                # It died between its last token and Done: nothing is left to compute.
+                self.dispatcher.handle(RequestCancelled(live.request_id))
+                self._complete(live, self.clock())
+                continue
+            live.worker_id = None
+            live.state = Status.QUEUED
         log.warning("worker left; its requests are re-queued", worker_id=worker_id)
         self.dispatcher.worker_left(worker_id)
 
+    def _streamed_to_the_end(self, live: LiveRequest) -> bool:
+        out = live.output_ids
+        if len(out) >= live.record.max_new_tokens:
+            return True
+        return bool(out) and live.record.stop_at_eos and out[-1] in self.eos_ids
+
     def record_for(self, request_id: str) -> queue_pb2.QueuedRequest:
-        """The queued record of a live request (what an Assign carries to the worker)."""
-        return self.live[request_id].record
+        """What an Assign carries to the worker: the queued record, or its continuation when
+        tokens were streamed already."""
+        live = self.live[request_id]
+        return continuation(live.record, live.output_ids)
 
     def on_worker_message(self, worker_id: str, msg: worker_pb2.WorkerMessage) -> None:
         kind = msg.WhichOneof("event")
@@ -206,7 +227,9 @@ class ServiceCore:
             handler(self, live, worker_id, body, self.clock())
 
     def _on_progress(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        if body.layers_done == 0:  # chunk ends reach the client; layer reports only decide
+        # Chunk ends reach the client; layer reports, and the recompute of a request whose
+        # tokens are streaming already, only decide.
+        if body.layers_done == 0 and not live.output_ids:
             live.tokens_done = body.tokens_done
             self._emit(
                 live,
@@ -224,18 +247,21 @@ class ServiceCore:
         )  # fmt: skip
 
     def _on_first_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        live.first_token_at = now
-        live.prefill_busy_ms = body.prefill_busy_ms
-        live.output_ids = [body.token_id]
+        live.prefill_busy_ms += body.prefill_busy_ms
         live.state = Status.RUNNING
-        self._emit(
-            live,
-            first_token=serving_pb2.FirstToken(
-                token_id=body.token_id,
-                text=self.decode([body.token_id]),
-                ttft_ms=(now - live.arrived_at) * 1000,
-            ),
-        )
+        if live.output_ids:  # a continuation's first token: the request's next token
+            self._on_token(live, worker_id, body, now)
+        else:
+            live.first_token_at = now
+            live.output_ids = [body.token_id]
+            self._emit(
+                live,
+                first_token=serving_pb2.FirstToken(
+                    token_id=body.token_id,
+                    text=self.decode([body.token_id]),
+                    ttft_ms=(now - live.arrived_at) * 1000,
+                ),
+            )
         self.dispatcher.handle(
             PrefillFinished(
                 live.request_id, worker_id, body.prompt_tokens, body.prefill_busy_ms / 1000
@@ -251,9 +277,8 @@ class ServiceCore:
         live.preemptions += 1
         live.state = Status.SUSPENDED
         self.transport.preempted(live.record.tier, body.latency_ms / 1000, body.state_dropped)
-        if body.state_dropped:
-            live.output_ids.clear()
-        else:
+        # Dropped or kept, the tokens streamed so far stay streamed (see the module docstring).
+        if not body.state_dropped:
             live.suspended_since = now
         log.info(
             "preempted",
@@ -274,7 +299,18 @@ class ServiceCore:
         )
 
     def _on_done(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        live.output_ids = list(body.output_ids)
+        # The tokens are those streamed (a continuation's Done lists only its own run's).
+        if not _ends_with(live.output_ids, list(body.output_ids)):
+            log.error(
+                "worker's output differs from the tokens streamed",
+                request_id=live.request_id,
+                streamed=len(live.output_ids),
+                reported=len(body.output_ids),
+            )
+        self._complete(live, now)
+        self.dispatcher.handle(RequestDone(live.request_id, worker_id))
+
+    def _complete(self, live: LiveRequest, now: float) -> None:
         finish = "length" if len(live.output_ids) >= live.record.max_new_tokens else "stop"
         self._emit(
             live,
@@ -286,7 +322,6 @@ class ServiceCore:
             ),
         )
         self._end(live, Outcome.DONE, Status.DONE)
-        self.dispatcher.handle(RequestDone(live.request_id, worker_id))
 
     def _on_failed(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         invalid = body.invalid_request
@@ -381,6 +416,23 @@ class ServiceCore:
         if live.delivery is not None:
             self.transport.finished(live.delivery)
         self.transport.request_ended(live, self.clock())
+
+
+def continuation(record: queue_pb2.QueuedRequest, produced: list[int]) -> queue_pb2.QueuedRequest:
+    """``record`` to run again after ``produced`` tokens reached the client: its prompt followed
+    by them, for the tokens still to come. Greedy decoding continues exactly as an uninterrupted
+    run; sampling continues from the request's seed, consistent with what was streamed."""
+    if not produced:
+        return record
+    rest = queue_pb2.QueuedRequest()
+    rest.CopyFrom(record)
+    rest.prompt_ids.extend(produced)
+    rest.max_new_tokens = record.max_new_tokens - len(produced)
+    return rest
+
+
+def _ends_with(whole: list[int], tail: list[int]) -> bool:
+    return len(tail) <= len(whole) and whole[len(whole) - len(tail) :] == tail
 
 
 def _status_code(value: int) -> grpc.StatusCode:
