@@ -42,6 +42,7 @@ class TokenOut:
     request_id: str
     token_id: int
     at: float
+    index: int = 0  # position in the request's output; the first token is 0
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class _Listener:
         self.runner.emit(FirstToken(task.request_id, token_id, now, busy, task.prompt_len))
 
     def on_token(self, task: Task, token_id: int) -> None:
-        self.runner.emit(TokenOut(task.request_id, token_id, time.perf_counter()))
+        index = len(task.output_ids) - 1  # the engine appended it before telling
+        self.runner.emit(TokenOut(task.request_id, token_id, time.perf_counter(), index))
 
 
 class EngineRunner:

@@ -77,7 +77,9 @@ def event_message(event: RunnerEvent) -> worker_pb2.WorkerMessage:
             )
         case TokenOut():
             return worker_pb2.WorkerMessage(
-                token=worker_pb2.WorkerToken(request_id=event.request_id, token_id=event.token_id)
+                token=worker_pb2.WorkerToken(
+                    request_id=event.request_id, token_id=event.token_id, index=event.index
+                )
             )
         case Preempted():
             return worker_pb2.WorkerMessage(

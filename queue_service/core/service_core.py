@@ -11,12 +11,11 @@ this loop. Other I/O is injected:
 Client streams register a queue per request id; events for a request whose client is on another
 instance (``record.reply_to``) go to that instance through ``publish_reply``.
 
-Each token reaches the client once. A request that must run again after its first token (its
-worker died, or its state was dropped and it lands on another worker) is assigned as a
-continuation: its prompt followed by the tokens already streamed, for the tokens still to come
-(``continuation``); that run's first token is the request's next token. A worker that recomputes
-its own dropped state produces no token twice (``worker.engine``). A request whose worker died
-after its last token but before ``Done`` is completed here.
+Each output token reaches the client once: tokens carry their position in the output, and one
+the client has already (produced again by a recompute from token 0, on another worker after this
+one left) is not sent again; a worker that recomputes its own dropped state produces none twice
+(``worker.engine``). A request whose worker died after its last token but before ``Done`` is
+completed here, not run again.
 """
 
 from __future__ import annotations
@@ -200,7 +199,7 @@ class ServiceCore:
                 self._complete(live, self.clock())
                 continue
             live.worker_id = None
-            live.state = Status.QUEUED
+            live.state = Status.QUEUED  # its tokens so far stay: they are not sent twice
         log.warning("worker left; its requests are re-queued", worker_id=worker_id)
         self.dispatcher.worker_left(worker_id)
 
@@ -211,10 +210,8 @@ class ServiceCore:
         return bool(out) and live.record.stop_at_eos and out[-1] in self.eos_ids
 
     def record_for(self, request_id: str) -> queue_pb2.QueuedRequest:
-        """What an Assign carries to the worker: the queued record, or its continuation when
-        tokens were streamed already."""
-        live = self.live[request_id]
-        return continuation(live.record, live.output_ids)
+        """The queued record of a live request (what an Assign carries to the worker)."""
+        return self.live[request_id].record
 
     def on_worker_message(self, worker_id: str, msg: worker_pb2.WorkerMessage) -> None:
         kind = msg.WhichOneof("event")
@@ -247,12 +244,10 @@ class ServiceCore:
         )  # fmt: skip
 
     def _on_first_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        live.prefill_busy_ms += body.prefill_busy_ms
         live.state = Status.RUNNING
-        if live.output_ids:  # a continuation's first token: the request's next token
-            self._on_token(live, worker_id, body, now)
-        else:
+        if not live.output_ids:  # else a recompute from token 0: the client has this one
             live.first_token_at = now
+            live.prefill_busy_ms = body.prefill_busy_ms
             live.output_ids = [body.token_id]
             self._emit(
                 live,
@@ -269,15 +264,21 @@ class ServiceCore:
         )
 
     def _on_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        live.output_ids.append(body.token_id)
-        text = self.decode([body.token_id])
-        self._emit(live, token=serving_pb2.Token(token_id=body.token_id, text=text))
+        self._stream_token(live, body.index, body.token_id)
+
+    def _stream_token(self, live: LiveRequest, index: int, token_id: int) -> None:
+        """The ``index``-th output token; one the client has already is not sent again."""
+        if index < len(live.output_ids):
+            return
+        live.output_ids.append(token_id)
+        text = self.decode([token_id])
+        self._emit(live, token=serving_pb2.Token(token_id=token_id, text=text))
 
     def _on_preempted(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.preemptions += 1
         live.state = Status.SUSPENDED
         self.transport.preempted(live.record.tier, body.latency_ms / 1000, body.state_dropped)
-        # Dropped or kept, the tokens streamed so far stay streamed (see the module docstring).
+        # A dropped state keeps the tokens the client has: a recompute does not resend them.
         if not body.state_dropped:
             live.suspended_since = now
         log.info(
@@ -299,14 +300,7 @@ class ServiceCore:
         )
 
     def _on_done(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        # The tokens are those streamed (a continuation's Done lists only its own run's).
-        if not _ends_with(live.output_ids, list(body.output_ids)):
-            log.error(
-                "worker's output differs from the tokens streamed",
-                request_id=live.request_id,
-                streamed=len(live.output_ids),
-                reported=len(body.output_ids),
-            )
+        live.output_ids = list(body.output_ids)
         self._complete(live, now)
         self.dispatcher.handle(RequestDone(live.request_id, worker_id))
 
@@ -416,23 +410,6 @@ class ServiceCore:
         if live.delivery is not None:
             self.transport.finished(live.delivery)
         self.transport.request_ended(live, self.clock())
-
-
-def continuation(record: queue_pb2.QueuedRequest, produced: list[int]) -> queue_pb2.QueuedRequest:
-    """``record`` to run again after ``produced`` tokens reached the client: its prompt followed
-    by them, for the tokens still to come. Greedy decoding continues exactly as an uninterrupted
-    run; sampling continues from the request's seed, consistent with what was streamed."""
-    if not produced:
-        return record
-    rest = queue_pb2.QueuedRequest()
-    rest.CopyFrom(record)
-    rest.prompt_ids.extend(produced)
-    rest.max_new_tokens = record.max_new_tokens - len(produced)
-    return rest
-
-
-def _ends_with(whole: list[int], tail: list[int]) -> bool:
-    return len(tail) <= len(whole) and whole[len(whole) - len(tail) :] == tail
 
 
 def _status_code(value: int) -> grpc.StatusCode:

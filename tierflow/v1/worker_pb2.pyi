@@ -136,12 +136,14 @@ class WorkerFirstToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., prefill_busy_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerToken(_message.Message):
-    __slots__ = ("request_id", "token_id")
+    __slots__ = ("request_id", "token_id", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class WorkerDone(_message.Message):
     __slots__ = ("request_id", "output_ids", "busy_ms", "preemptions")
