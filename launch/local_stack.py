@@ -23,6 +23,7 @@ import structlog
 from gateway.config import GatewayConfig
 from launch.kafka_broker import LocalKafkaBroker
 from launch.processes import (
+    QUEUE_SERVICE_LISTENING,
     REPO,
     ServiceProcess,
     free_port,
@@ -161,7 +162,7 @@ class LocalStack:
         )
         self._spawn(name, command, **env)
         target = f"127.0.0.1:{port}"
-        wait_serving(target, timeout=180)
+        wait_serving(target, timeout=180, service=QUEUE_SERVICE_LISTENING)
         return target
 
     def _start_worker(self, worker_id: str, queue_service: str, deployment: str) -> None:

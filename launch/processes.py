@@ -99,6 +99,11 @@ class ServiceProcess:
         self._log.close()
 
 
+# A queue service's health as a whole is NOT_SERVING until a worker attaches; its worker
+# control service is SERVING as soon as it listens, which is what starting one waits for.
+QUEUE_SERVICE_LISTENING = "tierflow.v1.WorkerControl"
+
+
 def wait_serving(target: str, timeout: float = 60.0, service: str = "") -> None:
     """Until the gRPC health service at ``target`` answers SERVING."""
     deadline = time.monotonic() + timeout

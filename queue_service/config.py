@@ -26,6 +26,9 @@ class QueueServiceConfig:
     kafka: KafkaSettings = field(default_factory=KafkaSettings.from_env)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     heartbeat_timeout_s: float = 3.0
+    # A request that waits this long with no worker attached ends with UNAVAILABLE, not run
+    # (its client was told at once that no worker is attached).
+    no_worker_timeout_s: float = 60.0
     max_new_tokens: int = 1024
     max_live: int = 256  # requests taken from Kafka and not finished; the rest wait in Kafka
     grace_s: float = 5.0

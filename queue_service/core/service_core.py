@@ -16,6 +16,10 @@ the client has already (produced again by a recompute from token 0, on another w
 one left) is not sent again; a worker that recomputes its own dropped state produces none twice
 (``worker.engine``). A request whose worker died after its last token but before ``Done`` is
 completed here, not run again.
+
+While no worker is attached, a waiting request's client is told so (a ``Waiting`` event), and a
+request that waited ``no_worker_timeout_s`` like that ends with UNAVAILABLE without being run
+(``expire_unattended``, called periodically by the service).
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class ServiceCore:
         instance_id: str,
         decode: Callable[[list[int]], str],
         eos_ids: frozenset[int] = frozenset(),
+        no_worker_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         remember_finished: int = 10_000,
     ) -> None:
@@ -114,6 +119,7 @@ class ServiceCore:
         self.instance_id = instance_id
         self.decode = decode
         self.eos_ids = eos_ids  # a streamed request that ends with one of these is complete
+        self.no_worker_timeout_s = no_worker_timeout_s
         self.clock = clock
         self.live: dict[str, LiveRequest] = {}
         self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
@@ -172,6 +178,8 @@ class ServiceCore:
                 arrival_s=live.arrived_at,  # the deadline counts from admission
             )
         )
+        if request_id in self.live and not self.dispatcher.handles:
+            self._warn_unattended([live])
 
     def _arrival(self, record: queue_pb2.QueuedRequest) -> float:
         # Arrival on this service's clock, from the wall-clock stamp taken at admission, so that
@@ -186,6 +194,8 @@ class ServiceCore:
         return frozenset(self.dispatcher.handles)
 
     def worker_joined(self, worker_id: str, handle: WorkerHandle) -> None:
+        for live in self.live.values():
+            live.unattended_since = None
         self.dispatcher.worker_joined(worker_id, handle)
 
     def worker_left(self, worker_id: str) -> None:
@@ -202,6 +212,42 @@ class ServiceCore:
             live.state = Status.QUEUED  # its tokens so far stay: they are not sent twice
         log.warning("worker left; its requests are re-queued", worker_id=worker_id)
         self.dispatcher.worker_left(worker_id)
+        if not self.dispatcher.handles:
+            self._warn_unattended(list(self.live.values()))
+
+    # ------------------------------------------------------------------ no worker attached
+
+    def _warn_unattended(self, waiting: list[LiveRequest]) -> None:
+        """Tell these requests' clients, once, that no worker is attached."""
+        now = self.clock()
+        for live in waiting:
+            if live.unattended_since is None:
+                live.unattended_since = now
+                log.warning("waiting with no worker attached", request_id=live.request_id)
+                self._emit(
+                    live,
+                    waiting=serving_pb2.Waiting(
+                        reason="no worker is attached to the queue service",
+                        unavailable_in_ms=int(self.no_worker_timeout_s * 1000),
+                    ),
+                )
+
+    def expire_unattended(self) -> None:
+        """End with UNAVAILABLE, not run, the requests that waited ``no_worker_timeout_s`` with
+        no worker attached."""
+        if self.dispatcher.handles:
+            return
+        now = self.clock()
+        for live in list(self.live.values()):
+            since = live.unattended_since
+            if since is not None and now - since >= self.no_worker_timeout_s:
+                self.dispatcher.handle(RequestCancelled(live.request_id))
+                self._fail(
+                    live,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no worker attached for {now - since:.0f} s: the request was not run; "
+                    "send it again later",
+                )
 
     def _streamed_to_the_end(self, live: LiveRequest) -> bool:
         out = live.output_ids

@@ -105,8 +105,8 @@ def test_a_request_whose_worker_died_mid_decode_streams_no_token_twice():
     async def scenario():
         core, finished = make_core()
         w1, w2 = RecordedWorker(core), RecordedWorker(core)
-        client = deliver(core, "r")
         core.worker_joined("w1", w1)
+        client = deliver(core, "r")
         assert w1.commands == [("assign", "r")]
         report(core, "w1", **first_token("r", 7))
         report(core, "w1", **token("r", 8, 1))
@@ -133,8 +133,8 @@ def test_a_request_whose_worker_died_after_its_last_token_is_completed_not_run_a
     async def scenario():
         core, finished = make_core()
         w1, w2 = RecordedWorker(core), RecordedWorker(core)
-        client = deliver(core, "eos", max_new_tokens=6)
         core.worker_joined("w1", w1)
+        client = deliver(core, "eos", max_new_tokens=6)
         report(core, "w1", **first_token("eos", 7))
         report(core, "w1", **token("eos", EOS, 1))  # the end, but Done never came
         core.worker_left("w1")
@@ -153,8 +153,8 @@ def test_a_decoding_request_dropped_for_recompute_streams_no_token_or_progress_a
     async def scenario():
         core, _ = make_core()
         w1 = RecordedWorker(core)
-        client = deliver(core, "d", max_new_tokens=500)  # long: a critical one preempts it
         core.worker_joined("w1", w1)
+        client = deliver(core, "d", max_new_tokens=500)  # long: a critical one preempts it
         report(core, "w1", **first_token("d", 7))
         report(core, "w1", **token("d", 8, 1))
         # A critical request takes the worker; the preempted decode's state is dropped (the
