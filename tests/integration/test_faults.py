@@ -14,9 +14,10 @@ import grpc
 import pytest
 
 from launch.kafka_broker import LocalKafkaBroker
-from tests.integration.load import Load, check_exactly_once, prompt_ids, run_request
+from tests.integration.load import Load, Outcome, check_exactly_once, prompt_ids, run_request
 from tests.integration.processes import start_queue_service, start_worker
 from tests.tiers import SERVICE_TIERS_TOML
+from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
 
 
@@ -97,3 +98,140 @@ def test_broker_stopped_for_20_s_under_load_fails_fast_then_recovers(
     assert first.done is not None and recovery_s < timeout_s, recovery_s
     after = [o for o in outcomes if o.sent_at > up_at + recovery_s]
     assert after and all(o.done is not None for o in after), after
+
+
+@pytest.fixture
+def stack(tmp_path, kafka_settings, tiers_file, started):
+    """Services on the session's broker, started on demand."""
+
+    class Stack:
+        def queue_service(self, **kw):
+            proc, target = start_queue_service(
+                tmp_path, kafka_settings, model="bench-llama", tiers=tiers_file, **kw
+            )
+            started.append(proc)
+            return proc, target
+
+        def worker(self, target: str, worker_id: str, **kw):
+            kw.setdefault("chunk_size", 256)
+            proc = start_worker(tmp_path, target, worker_id, model="bench-llama", **kw)
+            started.append(proc)
+            return proc
+
+    return Stack()
+
+
+def stream_until(target: str, tier: str, request_id: str, prompt, *, until, **params):
+    """Starts a request on a thread; returns (the thread's future outcome, an event set once
+    ``until(kinds)`` held for the events seen so far)."""
+    import concurrent.futures
+    import threading
+
+    reached = threading.Event()
+    outcome = Outcome(request_id, tier, time.monotonic())
+
+    def run() -> Outcome:
+        with TierflowClient(target, tier=tier) as client:
+            try:
+                for event in client.generate(prompt, request_id=request_id, **params):
+                    kind = event.WhichOneof("event")
+                    outcome.kinds.append(kind)
+                    if kind in ("first_token", "token"):
+                        outcome.tokens.append(getattr(event, kind).token_id)
+                    elif kind == "done":
+                        outcome.done = event.done
+                    if until(outcome.kinds):
+                        reached.set()
+            except grpc.RpcError as exc:
+                outcome.code, outcome.details = exc.code(), exc.details() or ""
+        outcome.ended_at = time.monotonic()
+        reached.set()
+        return outcome
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(run)
+    pool.shutdown(wait=False)
+    return future, reached
+
+
+def holder_of(workers, request_id: str):
+    """The worker that was assigned ``request_id`` last."""
+    for worker in workers:
+        if any(
+            e.get("event") == "assigned" and e.get("request_id") == request_id
+            for e in worker.log_events()
+        ):
+            return worker
+    raise AssertionError(f"no worker was assigned {request_id}")
+
+
+@pytest.mark.parametrize(
+    "when", ["prefill", "decode"], ids=["killed-mid-prefill", "killed-mid-decode"]
+)
+def test_a_worker_killed_mid_request_under_load(stack, when):
+    _, target = stack.queue_service()
+    workers = [stack.worker(target, "w1"), stack.worker(target, "w2")]
+    load = Load(target, rate_per_s=0.3, prompt_tokens=(16, 48), prefix=f"kill-{when}").start()
+    if when == "prefill":  # a long prompt: seconds of prefill on a CPU, progress per chunk
+        prompt, params = prompt_ids(1500, seed=3), {"max_new_tokens": 2}
+        until = lambda kinds: "progress" in kinds  # noqa: E731
+    else:  # many tokens: killed once some of them reached the client
+        prompt, params = prompt_ids(40, seed=4), {"max_new_tokens": 40}
+        until = lambda kinds: kinds.count("token") >= 5  # noqa: E731
+    future, reached = stream_until(target, "standard", "victim", prompt, until=until, **params)
+    assert reached.wait(180)
+    holder_of(workers, "victim").kill()  # SIGKILL
+    outcomes = load.stop()
+    victim = future.result(timeout=300)
+    check_exactly_once([*outcomes, victim], workers)
+    assert victim.done is not None and victim.kinds.count("first_token") == 1
+    if when == "decode":
+        assert len(victim.tokens) == 40  # every token once, across the two workers
+    survivor = next(w for w in workers if w.alive())
+    assert any(
+        e.get("event") == "finished" and e.get("request_id") == "victim"
+        for e in survivor.log_events()
+    )
+    normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=5))
+    assert normal.done is not None
+
+
+def test_a_worker_stopped_past_the_heartbeat_timeout(stack):
+    import os
+    import signal
+
+    _, target = stack.queue_service()  # heartbeat timeout 3 s
+    workers = [stack.worker(target, "w1"), stack.worker(target, "w2")]
+    future, reached = stream_until(
+        target,
+        "standard",
+        "stalled",
+        prompt_ids(1500, seed=6),
+        until=lambda kinds: "progress" in kinds,
+        max_new_tokens=2,
+    )
+    assert reached.wait(120)
+    frozen = holder_of(workers, "stalled")
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        load = Load(target, rate_per_s=0.3, prompt_tokens=(16, 48), prefix="sigstop").start()
+        time.sleep(8)  # well past the heartbeat timeout: detached, its request runs elsewhere
+        outcomes = load.stop()
+        stalled = future.result(timeout=300)
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    survivor = next(w for w in workers if w is not frozen)
+    # The frozen worker may still finish its stale copy once it runs again; the queue service
+    # ignores it (it was detached), so only the survivor's runs count.
+    check_exactly_once([*outcomes, stalled], [survivor])
+    assert stalled.done is not None and stalled.kinds.count("first_token") == 1
+    assert any(
+        e.get("event") == "finished" and e.get("request_id") == "stalled"
+        for e in survivor.log_events()
+    )
+    deadline = time.monotonic() + 60  # it runs again, finds its session gone, attaches anew
+    while sum(e.get("event") == "attached" for e in frozen.log_events()) < 2:
+        assert time.monotonic() < deadline, frozen.log_tail()
+        time.sleep(0.2)
+    normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=7))
+    assert normal.done is not None
