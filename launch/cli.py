@@ -125,6 +125,10 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with LocalStack(cfg) as stack:
+        # The supervisor gave up on a child: stop everything and say so (exit code 1).
+        threading.Thread(
+            target=lambda: stack.supervisor.failed.wait() and stop.set(), daemon=True
+        ).start()
         e = stack.endpoints
         print(
             f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON + OpenAI API at "
@@ -134,6 +138,9 @@ def _up(args: argparse.Namespace) -> int:
         print("Ctrl-C or `tierflow down` stops it.")
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
+        if stack.supervisor.failed.is_set():
+            print(f"error: {stack.supervisor.failure}; the stack is stopped", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -181,6 +188,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _protoset(args: argparse.Namespace) -> int:
+    from launch.protogen import write_descriptor_set
+
+    print(write_descriptor_set(args.out))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.canary:
         from launch.canary_demo import CanaryDemoConfig, run_canary_demo
@@ -201,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_engine_bench, _add_bench, _add_calibrate, _add_up, _add_down, _add_generate):
         add(sub)
+    _add_protoset(sub)
     _add_demo(sub)
     add_ops_commands(sub)
     for name in SERVICES:  # listed for --help; main() hands their arguments to the service
@@ -334,6 +349,15 @@ def _add_generate(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
+
+
+def _add_protoset(sub) -> None:
+    p = sub.add_parser(
+        "protoset",
+        help="write the API's descriptor set, imports included (grpcurl -protoset, Envoy)",
+    )
+    p.add_argument("--out", type=Path, default=Path("out/tierflow.pb"))
+    p.set_defaults(func=_protoset)
 
 
 def _add_demo(sub) -> None:
