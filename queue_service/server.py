@@ -64,7 +64,12 @@ class QueueService:
             if config.predictor_file
             else PrefillTimePredictor()
         )
-        scheduler = Scheduler(make_policy(config.policy), tiers, predictor, SchedulerConfig())
+        scheduler = Scheduler(
+            make_policy(config.policy),
+            tiers,
+            predictor,
+            SchedulerConfig(max_queued_sheddable=config.max_queued_sheddable),
+        )
         self.slos_s = {t.name: t.ttft_slo_s for t in tiers}
         self.metrics = QueueServiceMetrics(config.deployment, self.slos_s)
         self.kafka = KafkaBridge(
@@ -206,6 +211,10 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         "--no-worker-timeout", type=float, default=defaults.no_worker_timeout_s,
         help="seconds a request waits with no worker attached before UNAVAILABLE",
     )  # fmt: skip
+    p.add_argument(
+        "--max-queued-sheddable", type=int, default=defaults.max_queued_sheddable,
+        help="refuse a sheddable tier's request when this many of them already wait",
+    )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
@@ -224,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         kafka=KafkaSettings.from_env(**overrides),
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
+        max_queued_sheddable=args.max_queued_sheddable,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         **extra,

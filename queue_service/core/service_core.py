@@ -151,6 +151,10 @@ class ServiceCore:
             self.dispatcher.handle(RequestCancelled(request_id))
             self._end(live, Outcome.CANCELLED, Status.CANCELLED, "client cancelled")
 
+    def shed_reason(self, tier: str) -> str | None:
+        """Why a new request of ``tier`` would be shed now (None: it would be admitted)."""
+        return self.scheduler.shed_reason(tier, self.clock())
+
     def queue_position(self, tier: str) -> int:
         return self.scheduler.queue_depth().get(tier, 0)
 
