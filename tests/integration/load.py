@@ -163,3 +163,46 @@ def check_exactly_once(outcomes: list[Outcome], workers: Iterable[ServiceProcess
             assert finished[o.request_id] <= 1, f"{o.request_id} finished {finished[o.request_id]}x"
         elif not o.queued:  # refused before it was queued: no worker ever saw it
             assert assigned[o.request_id] == 0, f"{o.request_id} refused yet ran"
+
+
+def stream_until(
+    target: str, tier: str | None, request_id: str, prompt, *, until, api_key=None, **params
+):
+    """Starts a request on a thread; returns (the thread's future outcome, an event set once
+    ``until(kinds)`` held for the events seen so far)."""
+    reached = threading.Event()
+    outcome = Outcome(request_id, tier, time.monotonic())
+
+    def run() -> Outcome:
+        with TierflowClient(target, tier=tier, api_key=api_key) as client:
+            try:
+                for event in client.generate(prompt, request_id=request_id, **params):
+                    kind = event.WhichOneof("event")
+                    outcome.kinds.append(kind)
+                    if kind in ("first_token", "token"):
+                        outcome.tokens.append(getattr(event, kind).token_id)
+                    elif kind == "done":
+                        outcome.done = event.done
+                    if until(outcome.kinds):
+                        reached.set()
+            except grpc.RpcError as exc:
+                outcome.code, outcome.details = exc.code(), exc.details() or ""
+        outcome.ended_at = time.monotonic()
+        reached.set()
+        return outcome
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(run)
+    pool.shutdown(wait=False)
+    return future, reached
+
+
+def holder_of(workers, request_id: str):
+    """The worker that was assigned ``request_id`` last."""
+    for worker in workers:
+        if any(
+            e.get("event") == "assigned" and e.get("request_id") == request_id
+            for e in worker.log_events()
+        ):
+            return worker
+    raise AssertionError(f"no worker was assigned {request_id}")

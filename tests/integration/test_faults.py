@@ -14,10 +14,17 @@ import grpc
 import pytest
 
 from launch.kafka_broker import LocalKafkaBroker
-from tests.integration.load import Load, Outcome, check_exactly_once, prompt_ids, run_request
+from tests.integration.load import (
+    Load,
+    check_exactly_once,
+    holder_of,
+    prompt_ids,
+    run_request,
+    stream_until,
+    worker_events,
+)
 from tests.integration.processes import start_queue_service, start_worker
 from tests.tiers import SERVICE_TIERS_TOML
-from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
 
 
@@ -121,50 +128,6 @@ def stack(tmp_path, kafka_settings, tiers_file, started):
     return Stack()
 
 
-def stream_until(target: str, tier: str, request_id: str, prompt, *, until, **params):
-    """Starts a request on a thread; returns (the thread's future outcome, an event set once
-    ``until(kinds)`` held for the events seen so far)."""
-    import concurrent.futures
-    import threading
-
-    reached = threading.Event()
-    outcome = Outcome(request_id, tier, time.monotonic())
-
-    def run() -> Outcome:
-        with TierflowClient(target, tier=tier) as client:
-            try:
-                for event in client.generate(prompt, request_id=request_id, **params):
-                    kind = event.WhichOneof("event")
-                    outcome.kinds.append(kind)
-                    if kind in ("first_token", "token"):
-                        outcome.tokens.append(getattr(event, kind).token_id)
-                    elif kind == "done":
-                        outcome.done = event.done
-                    if until(outcome.kinds):
-                        reached.set()
-            except grpc.RpcError as exc:
-                outcome.code, outcome.details = exc.code(), exc.details() or ""
-        outcome.ended_at = time.monotonic()
-        reached.set()
-        return outcome
-
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(run)
-    pool.shutdown(wait=False)
-    return future, reached
-
-
-def holder_of(workers, request_id: str):
-    """The worker that was assigned ``request_id`` last."""
-    for worker in workers:
-        if any(
-            e.get("event") == "assigned" and e.get("request_id") == request_id
-            for e in worker.log_events()
-        ):
-            return worker
-    raise AssertionError(f"no worker was assigned {request_id}")
-
-
 @pytest.mark.parametrize(
     "when", ["prefill", "decode"], ids=["killed-mid-prefill", "killed-mid-decode"]
 )
@@ -234,4 +197,43 @@ def test_a_worker_stopped_past_the_heartbeat_timeout(stack):
         assert time.monotonic() < deadline, frozen.log_tail()
         time.sleep(0.2)
     normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=7))
+    assert normal.done is not None
+
+
+def test_the_queue_service_killed_with_a_backlog_runs_critical_first_after_restart(
+    tmp_path, kafka_settings, tiers_file, started
+):
+    def queue_service():
+        proc, target = start_queue_service(
+            tmp_path, kafka_settings, model="tiny-llama", tiers=tiers_file,
+            extra=["--no-worker-timeout", "600"],
+        )  # fmt: skip
+        started.append(proc)
+        return proc, target
+
+    qs, target = queue_service()  # no worker yet: everything sent waits, a backlog
+    backlog = [*(("batch", f"batch-{i}") for i in range(4)), ("standard", "standard-0")]
+    backlog.append(("critical", "critical-0"))  # the most urgent, sent last
+    streams = [
+        stream_until(target, tier, rid, prompt_ids(30, seed=i), until=lambda k: "queued" in k)
+        for i, (tier, rid) in enumerate(backlog)
+    ]
+    for _, queued in streams:
+        assert queued.wait(60)
+    qs.kill()  # SIGKILL, with the backlog in Kafka; no client sends anything again
+    assert all(future.result(timeout=60).done is None for future, _ in streams)
+    _, target = queue_service()
+    worker = start_worker(tmp_path, target, "w1", model="tiny-llama", chunk_size=32)
+    started.append(worker)
+    deadline = time.monotonic() + 120
+    ids = [rid for _, rid in backlog]
+    while set(worker_events([worker], "finished")) < set(ids):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.2)
+    finished = worker_events([worker], "finished")
+    assert all(finished[rid] == 1 for rid in ids), finished  # each once, no client retry
+    order = [e["request_id"] for e in worker.log_events() if e.get("event") == "assigned"]
+    assert order[0] == "critical-0", order  # critical first after the restart
+    assert order.index("standard-0") < min(order.index(f"batch-{i}") for i in range(4)), order
+    normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=9))
     assert normal.done is not None

@@ -15,9 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launch.local_stack import LocalStack, StackConfig
 from launch.supervisor import RestartPolicy
-from tests.integration.load import prompt_ids, run_request
+from tests.integration.load import prompt_ids, run_request, stream_until
 from tests.integration.processes import start_queue_service
-from tests.integration.test_faults import stream_until
 
 
 def health(target: str, service: str = "") -> int | None:
@@ -49,12 +48,13 @@ def test_the_stack_restarts_a_killed_worker_and_queue_service(tmp_path):
         edge=False,
         log_dir=tmp_path / "stack",
         restart=RestartPolicy(min_backoff_s=0.2, max_backoff_s=1.0, poll_s=0.1),
+        no_worker_timeout_s=600,  # a restarted worker loads torch and its model first
     )
     with LocalStack(config) as stack:
         target = stack.endpoints.queue_service
         procs = {p.name: p for p in stack.processes}
         worker, queue_service = procs["worker-0"], procs["queue-service"]
-        assert health(target) == serving
+        wait_for(lambda: health(target) == serving, 30, "health never SERVING")
         assert run_request(target, "critical", "before", prompt_ids(20, seed=1)).done
 
         worker.proc.kill()
