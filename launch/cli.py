@@ -188,6 +188,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from launch.soak import SoakConfig, main
+
+    given = {
+        "duration_s": args.duration, "rate_per_s": args.rate, "model": args.model,
+        "workers": args.workers, "log_dir": args.log_dir,
+    }  # fmt: skip
+    config = SoakConfig(edge=not args.no_edge, **{k: v for k, v in given.items() if v is not None})
+    return main(config, args.json)
+
+
 def _protoset(args: argparse.Namespace) -> int:
     from launch.protogen import write_descriptor_set
 
@@ -216,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_engine_bench, _add_bench, _add_calibrate, _add_up, _add_down, _add_generate):
         add(sub)
     _add_protoset(sub)
+    _add_soak(sub)
     _add_demo(sub)
     add_ops_commands(sub)
     for name in SERVICES:  # listed for --help; main() hands their arguments to the service
@@ -349,6 +361,23 @@ def _add_generate(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
+
+
+def _add_soak(sub) -> None:
+    s = sub.add_parser(
+        "soak",
+        help="mixed load through the stack for a while; fails on a lost request or memory "
+        "that keeps growing",
+    )
+    # No defaults here: what is not given, SoakConfig decides.
+    s.add_argument("--duration", type=float, help="seconds of load (default 600)")
+    s.add_argument("--rate", type=float, help="requests per second, Poisson (default 2)")
+    s.add_argument("--model", help="default: the stack's (smollm2)")
+    s.add_argument("--workers", type=int)
+    s.add_argument("--no-edge", action="store_true", help="straight to the queue service")
+    s.add_argument("--log-dir", type=Path, help="default out/soak")
+    s.add_argument("--json", type=Path, help="write the samples and the verdict here")
+    s.set_defaults(func=_soak)
 
 
 def _add_protoset(sub) -> None:
