@@ -128,6 +128,7 @@ def stack(tmp_path, kafka_settings, tiers_file, started):
     return Stack()
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "when", ["prefill", "decode"], ids=["killed-mid-prefill", "killed-mid-decode"]
 )

@@ -9,9 +9,12 @@ defaults (2 MB/min or 1 %/min after the first fifth)."""
 
 from __future__ import annotations
 
+import pytest
+
 from launch.soak import SoakConfig, report, run_soak
 
 
+@pytest.mark.timeout(1200)  # the stack's start (Kafka, a worker) + 60 s + the drain
 def test_a_60_second_soak_passes(tmp_path):
     config = SoakConfig(
         duration_s=60,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from launch.local_stack import LocalStack, StackConfig
@@ -41,6 +42,7 @@ def attaches(proc) -> int:
     return sum(e.get("event") == "attached" for e in proc.log_events())
 
 
+@pytest.mark.timeout(900)  # two restarts, each reloads torch and a model on a busy CI box
 def test_the_stack_restarts_a_killed_worker_and_queue_service(tmp_path):
     serving = health_pb2.HealthCheckResponse.SERVING
     config = StackConfig(
