@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from launch.processes import ServiceProcess
-from tierflow.client import TierflowClient
-from tierflow.v1 import serving_pb2
+from tierflow.client import generate_request
+from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
+from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 
 @dataclass
@@ -52,6 +53,22 @@ def prompt_ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
     return [rng.randrange(5, vocab) for _ in range(n)]
 
 
+def plain_stream(target: str, *, tier: str | None, api_key: str | None, timeout, prompt, **params):
+    """The events of one Generate call on the generated stub, as any gRPC client makes it: no
+    retry, no reattach (what the fault cases must hold for, whatever ``tierflow.client`` adds).
+    """
+    metadata = [(TIER_HEADER, tier)] if tier else []
+    metadata += [(API_KEY_HEADER, api_key)] if api_key else []
+    with grpc.insecure_channel(target) as channel:
+        call = serving_pb2_grpc.TierflowStub(channel).Generate(
+            generate_request(prompt, **params), metadata=metadata, timeout=timeout
+        )
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+
 def run_request(
     target: str,
     tier: str,
@@ -63,19 +80,19 @@ def run_request(
 ) -> Outcome:
     """One Generate stream to its end; never raises for a status (it is recorded)."""
     outcome = Outcome(request_id, tier, time.monotonic())
-    with TierflowClient(target, tier=tier) as client:
-        try:
-            for event in client.generate(
-                prompt, request_id=request_id, max_new_tokens=max_new_tokens, timeout=timeout
-            ):
-                kind = event.WhichOneof("event")
-                outcome.kinds.append(kind)
-                if kind in ("first_token", "token"):
-                    outcome.tokens.append(getattr(event, kind).token_id)
-                elif kind == "done":
-                    outcome.done = event.done
-        except grpc.RpcError as exc:
-            outcome.code, outcome.details = exc.code(), exc.details() or ""
+    try:
+        for event in plain_stream(
+            target, tier=tier, api_key=None, timeout=timeout, prompt=prompt,
+            request_id=request_id, max_new_tokens=max_new_tokens,
+        ):  # fmt: skip
+            kind = event.WhichOneof("event")
+            outcome.kinds.append(kind)
+            if kind in ("first_token", "token"):
+                outcome.tokens.append(getattr(event, kind).token_id)
+            elif kind == "done":
+                outcome.done = event.done
+    except grpc.RpcError as exc:
+        outcome.code, outcome.details = exc.code(), exc.details() or ""
     outcome.ended_at = time.monotonic()
     return outcome
 
@@ -174,19 +191,22 @@ def stream_until(
     outcome = Outcome(request_id, tier, time.monotonic())
 
     def run() -> Outcome:
-        with TierflowClient(target, tier=tier, api_key=api_key) as client:
-            try:
-                for event in client.generate(prompt, request_id=request_id, **params):
-                    kind = event.WhichOneof("event")
-                    outcome.kinds.append(kind)
-                    if kind in ("first_token", "token"):
-                        outcome.tokens.append(getattr(event, kind).token_id)
-                    elif kind == "done":
-                        outcome.done = event.done
-                    if until(outcome.kinds):
-                        reached.set()
-            except grpc.RpcError as exc:
-                outcome.code, outcome.details = exc.code(), exc.details() or ""
+        timeout = params.pop("timeout", None)
+        try:
+            for event in plain_stream(
+                target, tier=tier, api_key=api_key, timeout=timeout, prompt=prompt,
+                request_id=request_id, **params,
+            ):  # fmt: skip
+                kind = event.WhichOneof("event")
+                outcome.kinds.append(kind)
+                if kind in ("first_token", "token"):
+                    outcome.tokens.append(getattr(event, kind).token_id)
+                elif kind == "done":
+                    outcome.done = event.done
+                if until(outcome.kinds):
+                    reached.set()
+        except grpc.RpcError as exc:
+            outcome.code, outcome.details = exc.code(), exc.details() or ""
         outcome.ended_at = time.monotonic()
         reached.set()
         return outcome
