@@ -132,6 +132,10 @@ def _up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with LocalStack(cfg) as stack:
+        # The supervisor gave up on a child: stop everything and say so (exit code 1).
+        threading.Thread(
+            target=lambda: stack.supervisor.failed.wait() and stop.set(), daemon=True
+        ).start()
         e = stack.endpoints
         print(
             f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON + OpenAI API at "
@@ -141,6 +145,9 @@ def _up(args: argparse.Namespace) -> int:
         print("Ctrl-C or `tierflow down` stops it.")
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
+        if stack.supervisor.failed.is_set():
+            print(f"error: {stack.supervisor.failure}; the stack is stopped", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -188,6 +195,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from launch.soak import SoakConfig, main
+
+    given = {
+        "duration_s": args.duration, "rate_per_s": args.rate, "model": args.model,
+        "workers": args.workers, "log_dir": args.log_dir,
+    }  # fmt: skip
+    config = SoakConfig(edge=not args.no_edge, **{k: v for k, v in given.items() if v is not None})
+    return main(config, args.json)
+
+
+def _protoset(args: argparse.Namespace) -> int:
+    from launch.protogen import write_descriptor_set
+
+    print(write_descriptor_set(args.out))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.canary:
         from launch.canary_demo import CanaryDemoConfig, run_canary_demo
@@ -208,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_engine_bench, _add_bench, _add_calibrate, _add_up, _add_down, _add_generate):
         add(sub)
+    _add_protoset(sub)
+    _add_soak(sub)
     _add_demo(sub)
     add_ops_commands(sub)
     for name in SERVICES:  # listed for --help; main() hands their arguments to the service
@@ -368,6 +395,32 @@ def _add_generate(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
+
+
+def _add_soak(sub) -> None:
+    s = sub.add_parser(
+        "soak",
+        help="mixed load through the stack for a while; fails on a lost request or memory "
+        "that keeps growing",
+    )
+    # No defaults here: what is not given, SoakConfig decides.
+    s.add_argument("--duration", type=float, help="seconds of load (default 600)")
+    s.add_argument("--rate", type=float, help="requests per second, Poisson (default 2)")
+    s.add_argument("--model", help="default: the stack's (smollm2)")
+    s.add_argument("--workers", type=int)
+    s.add_argument("--no-edge", action="store_true", help="straight to the queue service")
+    s.add_argument("--log-dir", type=Path, help="default out/soak")
+    s.add_argument("--json", type=Path, help="write the samples and the verdict here")
+    s.set_defaults(func=_soak)
+
+
+def _add_protoset(sub) -> None:
+    p = sub.add_parser(
+        "protoset",
+        help="write the API's descriptor set, imports included (grpcurl -protoset, Envoy)",
+    )
+    p.add_argument("--out", type=Path, default=Path("out/tierflow.pb"))
+    p.set_defaults(func=_protoset)
 
 
 def _add_demo(sub) -> None:

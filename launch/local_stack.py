@@ -3,9 +3,10 @@
 Starts, in dependency order and each only once the previous answers: a Kafka broker (KRaft,
 from its Maven Central jars), the queue service, N workers (each attached), the gateway
 (ext_authz), the OpenAI-compatible service and Envoy (the edge). Every process logs to one
-directory. ``stop()`` (Ctrl-C in ``tierflow up``, or ``tierflow down`` from another shell) stops
-them in reverse order; children also die with the launcher if it is killed, so nothing is left
-orphaned.
+directory. Once up, a supervisor (``launch.supervisor``) restarts a child that exits, with
+backoff, and gives up loudly after repeated failures (``supervisor.failed``). ``stop()`` (Ctrl-C in
+``tierflow up``, or ``tierflow down`` from another shell) stops them in reverse order; children
+also die with the launcher if it is killed, so nothing is left orphaned.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import structlog
 from gateway.config import GatewayConfig
 from launch.kafka_broker import LocalKafkaBroker
 from launch.processes import (
+    QUEUE_SERVICE_LISTENING,
     REPO,
     ServiceProcess,
     free_port,
@@ -30,6 +32,7 @@ from launch.processes import (
     wait_http_ok,
     wait_serving,
 )
+from launch.supervisor import RestartPolicy, Supervisor
 from queue_service.config import QueueServiceConfig
 from tierflow.kafka_settings import KafkaSettings
 from worker.config import WorkerConfig
@@ -62,6 +65,8 @@ class StackConfig:
     # writing to the same request log; Envoy sends it canary_percent of the requests.
     canary_policy: str | None = None
     canary_percent: int = 0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # children that exit
+    no_worker_timeout_s: float = QueueServiceConfig.no_worker_timeout_s
 
 
 @dataclass
@@ -84,6 +89,7 @@ class LocalStack:
         self.endpoints = Endpoints()
         self.processes: list[ServiceProcess] = []
         self.broker: LocalKafkaBroker | None = None
+        self.supervisor = Supervisor(config.restart)
 
     def start(self) -> Endpoints:
         cfg = self.config
@@ -108,6 +114,7 @@ class LocalStack:
                 self._start_openai_api()
                 self._start_envoy()
             self._write_state()
+            self.supervisor.start()
             log.info(
                 "stack ready",
                 seconds=round(time.monotonic() - started, 1),
@@ -122,6 +129,7 @@ class LocalStack:
         proc = ServiceProcess(name, command, self.log_dir / f"{name}.log", env=env or None)
         self.processes.append(proc)
         self.endpoints.pids[name] = proc.proc.pid
+        self.supervisor.watch(proc)
         return proc
 
     def _metrics_port(self, name: str) -> str:
@@ -146,6 +154,7 @@ class LocalStack:
             "--instance-id", "local-canary" if canary else "local-0",
             "--deployment", deployment,
             "--metrics-port", self._metrics_port(name),
+            "--no-worker-timeout", str(cfg.no_worker_timeout_s),
         )  # fmt: skip
         if canary:
             command += ["--topic-prefix", CANARY_TOPIC_PREFIX]
@@ -161,7 +170,7 @@ class LocalStack:
         )
         self._spawn(name, command, **env)
         target = f"127.0.0.1:{port}"
-        wait_serving(target, timeout=180)
+        wait_serving(target, timeout=180, service=QUEUE_SERVICE_LISTENING)
         return target
 
     def _start_worker(self, worker_id: str, queue_service: str, deployment: str) -> None:
@@ -248,6 +257,7 @@ class LocalStack:
         (self.log_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def stop(self) -> None:
+        self.supervisor.stop()  # first: nothing is restarted while the stack stops
         for proc in reversed(self.processes):
             proc.stop()
         self.processes.clear()

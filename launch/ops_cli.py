@@ -23,6 +23,7 @@ def add_ops_commands(sub) -> None:
     _add_compare(sub)
     _add_canary(sub)
     _add_request_log(sub)
+    _add_topic(sub)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -212,3 +213,30 @@ def _add_request_log(sub) -> None:
     _add_source_options(r)
     r.add_argument("--out", type=Path, default=Path("out/request_log.jsonl"))
     r.set_defaults(func=_request_log)
+
+
+# ------------------------------------------------------------------------------- topics
+
+
+def _topic(args: argparse.Namespace) -> int:
+    from ops.topics import read_topic
+
+    settings = KafkaSettings.from_env(
+        **({"bootstrap": args.kafka_bootstrap} if args.kafka_bootstrap else {})
+    )
+    for record in read_topic(
+        settings, args.topic, from_end=args.from_end, limit=args.max, follow=args.follow
+    ):
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+def _add_topic(sub) -> None:
+    t = sub.add_parser("topic", help="read a Kafka topic's records as JSON lines")
+    t.add_argument("action", choices=["read"])
+    t.add_argument("topic", help="e.g. tierflow.priority_critical, tierflow.request_log")
+    t.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
+    t.add_argument("--max", type=int, help="stop after this many records")
+    t.add_argument("--follow", action="store_true", help="keep waiting for new records")
+    t.add_argument("--from-end", action="store_true", help="only records written from now on")
+    t.set_defaults(func=_topic)

@@ -48,16 +48,25 @@ class ServiceProcess:
         self.name = name
         self.args = args
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(env or {}))
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **(env or {}))
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            args,
+        self.proc = self._popen()
+
+    def _popen(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.args,
             cwd=REPO,
-            env=env,
+            env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )
+
+    def respawn(self) -> None:
+        """Start the same command again (after it exited), appending to the same log."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is still running")
+        self.proc = self._popen()
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -97,6 +106,11 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+# A queue service's health as a whole is NOT_SERVING until a worker attaches; its worker
+# control service is SERVING as soon as it listens, which is what starting one waits for.
+QUEUE_SERVICE_LISTENING = "tierflow.v1.WorkerControl"
 
 
 def wait_serving(target: str, timeout: float = 60.0, service: str = "") -> None:

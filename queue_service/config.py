@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from queue_service.scheduler import SchedulerConfig
 from tierflow.catalogue import DEFAULT_MODEL
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.metrics import DEFAULT_DEPLOYMENT
@@ -26,6 +27,11 @@ class QueueServiceConfig:
     kafka: KafkaSettings = field(default_factory=KafkaSettings.from_env)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     heartbeat_timeout_s: float = 3.0
+    # A request that waits this long with no worker attached ends with UNAVAILABLE, not run
+    # (its client was told at once that no worker is attached).
+    no_worker_timeout_s: float = 60.0
+    # Shedding: a sheddable tier's request is refused when this many of them already wait.
+    max_queued_sheddable: int = SchedulerConfig.max_queued_sheddable
     max_new_tokens: int = 1024
     max_live: int = 256  # requests taken from Kafka and not finished; the rest wait in Kafka
     grace_s: float = 5.0

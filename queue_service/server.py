@@ -5,6 +5,9 @@
 
 Serves ``tierflow.v1.Tierflow`` (clients, through the edge) and ``tierflow.v1.WorkerControl``
 (worker processes dial in), plus the standard gRPC health service and server reflection.
+Health: ``tierflow.v1.WorkerControl`` is SERVING once the server listens (workers may attach);
+the server as a whole ("") and ``tierflow.v1.Tierflow`` are SERVING only while it can serve a
+client: a worker is attached and Kafka is not known to be down.
 Stops gracefully on SIGTERM/SIGINT: no new calls, in-flight streams get a grace period.
 """
 
@@ -45,6 +48,8 @@ from tierflow.v1 import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_gr
 log = structlog.get_logger("queue_service")
 
 METRICS_SAMPLE_S = 0.5  # how often the queue depths and suspended bytes are sampled
+READINESS_CHECK_S = 0.2  # how often health follows the workers and Kafka
+CLIENT_SERVICES = ("", "tierflow.v1.Tierflow")  # NOT_SERVING without a worker or Kafka
 
 
 class QueueService:
@@ -59,7 +64,12 @@ class QueueService:
             if config.predictor_file
             else PrefillTimePredictor()
         )
-        scheduler = Scheduler(make_policy(config.policy), tiers, predictor, SchedulerConfig())
+        scheduler = Scheduler(
+            make_policy(config.policy),
+            tiers,
+            predictor,
+            SchedulerConfig(max_queued_sheddable=config.max_queued_sheddable),
+        )
         self.slos_s = {t.name: t.ttft_slo_s for t in tiers}
         self.metrics = QueueServiceMetrics(config.deployment, self.slos_s)
         self.kafka = KafkaBridge(
@@ -79,6 +89,10 @@ class QueueService:
             ),
             instance_id=config.instance_id,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+            eos_ids=frozenset(
+                i for i in (info.tokenizer.token_id(info.tokenizer.eos_token),) if i is not None
+            ),
+            no_worker_timeout_s=config.no_worker_timeout_s,
         )
         self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
         self.clients = ClientApi(
@@ -129,6 +143,24 @@ class QueueService:
             )
             await asyncio.sleep(METRICS_SAMPLE_S)
 
+    async def _follow_readiness(self) -> None:
+        """Health follows whether a client can be served; waiting requests with no worker
+        attached end when their time is up."""
+        serving: bool | None = None
+        while True:
+            self.core.expire_unattended()
+            workers, kafka = len(self.workers.sessions), self.kafka.available
+            ready = workers > 0 and kafka
+            if ready != serving:
+                status = health_pb2.HealthCheckResponse
+                for service in CLIENT_SERVICES:
+                    await self.health.set(service, status.SERVING if ready else status.NOT_SERVING)
+                (log.info if ready else log.warning)(
+                    "health", serving=ready, workers=workers, kafka_available=kafka
+                )
+                serving = ready
+            await asyncio.sleep(READINESS_CHECK_S)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         stopping = asyncio.Event()
@@ -139,8 +171,8 @@ class QueueService:
         watchdog = asyncio.create_task(self.workers.watch_heartbeats())
         sampler = asyncio.create_task(self._sample_metrics())
         endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
-        for service in ("", "tierflow.v1.Tierflow", "tierflow.v1.WorkerControl"):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("tierflow.v1.WorkerControl", health_pb2.HealthCheckResponse.SERVING)
+        readiness = asyncio.create_task(self._follow_readiness())
         log.info(
             "queue service ready",
             port=self.port,
@@ -153,6 +185,7 @@ class QueueService:
         )
         await stopping.wait()
         log.info("stopping")
+        readiness.cancel()
         await self.health.enter_graceful_shutdown()
         watchdog.cancel()
         await self.server.stop(self.config.grace_s)
@@ -174,6 +207,14 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
     p.add_argument("--instance-id")
     p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
+    p.add_argument(
+        "--no-worker-timeout", type=float, default=defaults.no_worker_timeout_s,
+        help="seconds a request waits with no worker attached before UNAVAILABLE",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-queued-sheddable", type=int, default=defaults.max_queued_sheddable,
+        help="refuse a sheddable tier's request when this many of them already wait",
+    )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
@@ -191,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         predictor_file=args.predictor,
         kafka=KafkaSettings.from_env(**overrides),
         heartbeat_timeout_s=args.heartbeat_timeout,
+        no_worker_timeout_s=args.no_worker_timeout,
+        max_queued_sheddable=args.max_queued_sheddable,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         **extra,

@@ -3,9 +3,15 @@
 Session scope because building is the slow part (SmolLM2 most of all) and the engine and model
 tests use the same instances. Tests must treat them as read-only: no weight edits, and any
 forward hook they register removed before they return.
+
+Every model is loaded with ``sdpa`` attention; ``tiny_llama_eager`` and ``tiny_qwen2_eager`` are
+the same weights with ``eager`` attention (copies, so the shared ones stay ``sdpa``), for the
+exactness tests that run under both (``tests.attention.model_with_attention``).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -31,3 +37,20 @@ def tiny_qwen2() -> LoadedModel:
 def smollm2() -> LoadedModel:
     """The real SmolLM2-135M-Instruct (converted from its GGUF on first use, ~20 s once)."""
     return _load("smollm2")
+
+
+def _eager_copy(loaded: LoadedModel) -> LoadedModel:
+    model = copy.deepcopy(loaded.model)
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    return LoadedModel(loaded.name, model, loaded.tokenizer, loaded.device, loaded.dtype)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_eager(tiny_llama: LoadedModel) -> LoadedModel:
+    return _eager_copy(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_eager(tiny_qwen2: LoadedModel) -> LoadedModel:
+    return _eager_copy(tiny_qwen2)

@@ -1,6 +1,9 @@
 """structlog set-up, done once per process.
 
 Services log JSON, one line per event; interactive commands log in a readable console format.
+Libraries that log through the standard ``logging`` module go through the same renderer, so a
+service's log stays one JSON object per line; kafka-python's chatty INFO lines (every connect,
+every metadata refresh) are dropped: it logs at WARNING and above.
 Bind ``request_id`` and ``tier`` with ``structlog.contextvars.bind_contextvars`` (or
 ``log.bind``) so every line of a request carries them.
 """
@@ -27,20 +30,31 @@ def configure_logging(*, json: bool | None = None, level: str | None = None) -> 
     renderer = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )
+    shared = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[structlog.contextvars.merge_contextvars, *shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=level_name, stream=sys.stderr, format="%(name)s %(message)s")
+    # The standard library's records (kafka-python, grpc, ...) through the same renderer.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level_name)
+    kafka_level = max(logging.WARNING, logging.getLevelName(level_name))
+    logging.getLogger("kafka").setLevel(kafka_level)
     _configured = True
 
 

@@ -11,7 +11,8 @@ A stopped task keeps its KV cache and the current chunk's activations and contex
 (``worker.task.ExecutionState``); ``run`` on it again continues at the exact operator where it
 stopped, nothing is recomputed. Any number of tasks may be suspended and resumed in any order,
 up to a memory cap (``worker.memory``); past it, or when asked to (``Signal.PREEMPT_DROP``), a
-stopped task's state is dropped and it recomputes later.
+stopped task's state is dropped and it recomputes later (a decoding task recomputes its prompt
+and the tokens it produced, and continues: no token is produced twice).
 
 After prefill the first token is sampled (the TTFT event), then decode runs up to
 ``max_new_tokens``, reading the channel between decode steps.
@@ -377,7 +378,8 @@ class PrefillEngine:
 
         Built before any layer appends this chunk to the cache. Only a first chunk (no past)
         may use SDPA's causal fast path (mask None); with a past, None would let every query
-        see every key. A single query may attend to all keys when attention is full.
+        see every key. Eager attention has no such fast path (None means no mask at all), so
+        it always gets one. A single query may attend to all keys when attention is full.
         """
         position_ids = torch.arange(start, end, device=self.device).unsqueeze(0)
         rotary = self.rotary(hidden, position_ids)
@@ -386,7 +388,8 @@ class PrefillEngine:
         for layer_type in set(self.layer_types):
             window = self.sliding_window if layer_type == "sliding_attention" else None
             needs_window = window is not None and end > window
-            if not needs_window and (start == 0 or q_len == 1):
+            causal_fast_path = start == 0 and self.attn_impl == "sdpa"
+            if not needs_window and (causal_fast_path or q_len == 1):
                 masks[layer_type] = None
                 continue
             q = position_ids[0].unsqueeze(1)
@@ -424,11 +427,13 @@ class PrefillEngine:
             return RunOutcome(
                 RunStatus.PREEMPTED, resume_point=task.resume_point(), held_bytes=held
             )
-        # Asked to drop (recompute policy) or over the memory cap: restart from token 0 later.
+        # Asked to drop (recompute policy) or over the memory cap: its KV is freed and the next
+        # run recomputes it. A decoding request keeps the tokens it produced (they reached the
+        # client) and its sampler's state: it recomputes its prompt and those tokens, then
+        # decodes on exactly where it stopped, producing none of them twice.
         self._free(task)
         task.phase = Phase.QUEUED
-        task.output_ids.clear()
-        task.generator = make_generator(task.request.sampling)
+        task.chunks = self.chunks_of(len(task.prefill_ids))
         task.recomputes += 1
         return RunOutcome(RunStatus.PREEMPTED, resume_point=task.resume_point(), state_dropped=True)
 

@@ -8,6 +8,9 @@
   instance runs) and hands them to the loop.
 - ``publish`` (an executor thread per call, it blocks until the broker's ack) and
   ``finished`` (any thread; the consumer thread commits) are called from the loop.
+- probe thread (``KafkaBreaker``): while Kafka is known to be down, every write (requests,
+  replies, request-log records) fails at once instead of waiting for the producer's timeout;
+  ``available`` says which (the service's health reads it).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 
 import structlog
 
+from queue_service.broker.breaker import KafkaBreaker
 from queue_service.broker.io import ReplyConsumer, RequestLog, ensure_topics
 from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
 from tierflow.kafka_settings import KafkaSettings
@@ -48,6 +52,7 @@ class KafkaBridge:
         self.request_log = RequestLog(settings)
         self.consumer = PriorityConsumer(settings, tiers)
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
+        self.breaker = KafkaBreaker.for_kafka(settings)
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -80,14 +85,30 @@ class KafkaBridge:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        self.breaker.start()
+
+    @property
+    def available(self) -> bool:
+        """False while Kafka is known to be down (writes fail fast meanwhile)."""
+        return not self.breaker.is_open
 
     def publish(self, record: queue_pb2.QueuedRequest) -> None:
-        self.request_log.publish(record)
+        """Blocks until the broker's ack; QueueUnavailableError at once while Kafka is down."""
+        self.breaker.call(self.request_log.publish, record)
+
+    # Replies and request-log records are queued for the sending thread; while Kafka is down
+    # they are dropped (and logged) rather than each holding that thread for a timeout.
 
     def publish_reply(self, instance_id: str, reply: queue_pb2.ReplyRecord) -> None:
+        if self.breaker.is_open:
+            log.error("reply dropped: kafka is down", request_id=reply.request_id, to=instance_id)
+            return
         self.request_log.publish_reply(instance_id, reply)
 
     def publish_finished(self, record: queue_pb2.FinishedRequest) -> None:
+        if self.breaker.is_open:
+            log.error("request-log record dropped: kafka is down", request_id=record.request_id)
+            return
         self.request_log.publish_finished(record)
 
     def finished(self, delivered: DeliveredRequest) -> None:
@@ -95,6 +116,7 @@ class KafkaBridge:
 
     def stop(self) -> None:
         self._stop.set()
+        self.breaker.stop()
         for thread in self._threads:
             thread.join(timeout=15)
         self.request_log.close()

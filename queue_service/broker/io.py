@@ -14,6 +14,10 @@ No scheduling decision is made here.
   an executor thread (``loop.run_in_executor``), never on the asyncio loop. ``publish_reply``
   never blocks: it queues the record for a sending thread of its own and returns a future.
 * ``ReplyConsumer``: all calls from one thread (kafka-python's consumer is not thread-safe).
+* **Readable by the usual tools.** Every record carries two headers: ``content-type``
+  (``application/x-protobuf``) and ``message`` (the protobuf message's full name, e.g.
+  ``tierflow.v1.QueuedRequest``), so ``tierflow topic read`` or kcat + ``protoc --decode`` know
+  how to decode it (README, "Reading the Kafka topics").
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import itertools
 from collections.abc import Iterable
 
 import structlog
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -32,6 +36,16 @@ from tierflow.tiers import TierPolicy
 from tierflow.v1 import queue_pb2
 
 log = structlog.get_logger("queue_service.broker.io")
+
+CONTENT_TYPE = "application/x-protobuf"
+
+
+def record_headers(message: Message) -> list[tuple[str, bytes]]:
+    """The headers of a record whose value is ``message`` serialised."""
+    return [
+        ("content-type", CONTENT_TYPE.encode()),
+        ("message", message.DESCRIPTOR.full_name.encode()),
+    ]
 
 
 class QueueUnavailableError(RuntimeError):
@@ -135,7 +149,7 @@ class RequestLog:
         if not record.request_id or not record.tier:
             raise ValueError("a queued request needs a request_id and a tier")
         topic = self.settings.tier_topic(record.tier)
-        self._send_and_wait(topic, record.request_id, record.SerializeToString(), timeout)
+        self._send_and_wait(topic, record.request_id, record, timeout)
 
     def publish_reply(
         self, instance_id: str, reply: queue_pb2.ReplyRecord
@@ -143,9 +157,8 @@ class RequestLog:
         """Queue ``reply`` for the reply topic of ``instance_id``; never blocks. The future ends
         when the broker acknowledged (or with QueueUnavailableError, which is also logged)."""
         topic = self.settings.reply_topic(instance_id)
-        value = reply.SerializeToString()
         future = self._reply_sender.submit(
-            self._send_and_wait, topic, reply.request_id, value, None
+            self._send_and_wait, topic, reply.request_id, reply, None
         )
 
         def log_failure(done: concurrent.futures.Future[None]) -> None:
@@ -168,7 +181,7 @@ class RequestLog:
             self._send_and_wait,
             self.settings.request_log_topic,
             record.request_id,
-            record.SerializeToString(),
+            record,
             None,
         )
 
@@ -183,12 +196,17 @@ class RequestLog:
         future.add_done_callback(log_failure)
         return future
 
-    def _send_and_wait(self, topic: str, key: str, value: bytes, timeout: float | None) -> None:
+    def _send_and_wait(self, topic: str, key: str, message: Message, timeout: float | None) -> None:
         # delivery_timeout_ms bounds the wait for the ack; the margin covers the metadata wait.
         if timeout is None:
             timeout = (self.settings.delivery_timeout_ms + self.settings.max_block_ms) / 1000
         try:
-            self._producer.send(topic, key=key.encode(), value=value).get(timeout=timeout)
+            self._producer.send(
+                topic,
+                key=key.encode(),
+                value=message.SerializeToString(),
+                headers=record_headers(message),
+            ).get(timeout=timeout)
         except KafkaError as exc:
             raise QueueUnavailableError(
                 f"Kafka did not take the record for {topic}: {exc!r}"

@@ -137,7 +137,12 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         timeout_s: float | None,
         context: grpc.aio.ServicerContext,
     ) -> serving_pb2.GenerateEvent:
-        """Write the request to its tier's topic; ``Queued`` once the broker acknowledged it."""
+        """Write the request to its tier's topic; ``Queued`` once the broker acknowledged it.
+        A request the scheduler would shed is refused here, before it is queued."""
+        shed = self.core.shed_reason(tier)
+        if shed is not None:
+            log.info("shed at admission", request_id=admitted.request_id, tier=tier, reason=shed)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, shed)
         now = time.time()
         record = queue_pb2.QueuedRequest(
             request_id=admitted.request_id,

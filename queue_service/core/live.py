@@ -39,6 +39,7 @@ class LiveRequest:
     outcome: Outcome = Outcome.LIVE
     error: str = ""
     shed: bool = False  # rejected for load (not for being invalid)
+    unattended_since: float | None = None  # waiting with no worker attached, since then
     state: int = serving_pb2.RequestStatus.QUEUED
 
     @property

@@ -14,7 +14,12 @@ instance (``record.reply_to``) go to that instance through ``publish_reply``.
 Each output token reaches the client once: tokens carry their position in the output, and one
 the client has already (produced again by a recompute from token 0, after a dropped state or on
 another worker after this one left) is not sent again. Batched workers send one ``DecodeStep``
-per step with every row's token.
+per step with every row's token. A request whose worker died after its last token but before
+``Done`` is completed here, not run again.
+
+While no worker is attached, a waiting request's client is told so (a ``Waiting`` event), and a
+request that waited ``no_worker_timeout_s`` like that ends with UNAVAILABLE without being run
+(``expire_unattended``, called periodically by the service).
 """
 
 from __future__ import annotations
@@ -105,6 +110,8 @@ class ServiceCore:
         *,
         instance_id: str,
         decode: Callable[[list[int]], str],
+        eos_ids: frozenset[int] = frozenset(),
+        no_worker_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         remember_finished: int = 10_000,
     ) -> None:
@@ -112,6 +119,8 @@ class ServiceCore:
         self.transport = transport
         self.instance_id = instance_id
         self.decode = decode
+        self.eos_ids = eos_ids  # a streamed request that ends with one of these is complete
+        self.no_worker_timeout_s = no_worker_timeout_s
         self.clock = clock
         self.live: dict[str, LiveRequest] = {}
         self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
@@ -143,6 +152,10 @@ class ServiceCore:
             self.dispatcher.handle(RequestCancelled(request_id))
             self._end(live, Outcome.CANCELLED, Status.CANCELLED, "client cancelled")
 
+    def shed_reason(self, tier: str) -> str | None:
+        """Why a new request of ``tier`` would be shed now (None: it would be admitted)."""
+        return self.scheduler.shed_reason(tier, self.clock())
+
     def queue_position(self, tier: str) -> int:
         return self.scheduler.queue_depth().get(tier, 0)
 
@@ -170,6 +183,8 @@ class ServiceCore:
                 arrival_s=live.arrived_at,  # the deadline counts from admission
             )
         )
+        if request_id in self.live and not self.dispatcher.handles:
+            self._warn_unattended([live])
 
     def _arrival(self, record: queue_pb2.QueuedRequest) -> float:
         # Arrival on this service's clock, from the wall-clock stamp taken at admission, so that
@@ -185,17 +200,66 @@ class ServiceCore:
 
     def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int = 0) -> None:
         """``kv_slots`` > 0: a batched worker (its Hello said so)."""
+        for live in self.live.values():
+            live.unattended_since = None
         self.dispatcher.worker_joined(worker_id, handle, kv_slots)
 
     def worker_left(self, worker_id: str) -> None:
         if worker_id not in self.dispatcher.handles:
             return
-        for live in self.live.values():
-            if live.worker_id == worker_id:
-                live.worker_id = None
-                live.state = Status.QUEUED  # its tokens so far stay: they are not sent twice
+        held = [live for live in self.live.values() if live.worker_id == worker_id]
+        for live in held:
+            if self._streamed_to_the_end(live):
+                # It died between its last token and Done: nothing is left to compute.
+                self.dispatcher.handle(RequestCancelled(live.request_id))
+                self._complete(live, self.clock())
+                continue
+            live.worker_id = None
+            live.state = Status.QUEUED  # its tokens so far stay: they are not sent twice
         log.warning("worker left; its requests are re-queued", worker_id=worker_id)
         self.dispatcher.worker_left(worker_id)
+        if not self.dispatcher.handles:
+            self._warn_unattended(list(self.live.values()))
+
+    # ------------------------------------------------------------------ no worker attached
+
+    def _warn_unattended(self, waiting: list[LiveRequest]) -> None:
+        """Tell these requests' clients, once, that no worker is attached."""
+        now = self.clock()
+        for live in waiting:
+            if live.unattended_since is None:
+                live.unattended_since = now
+                log.warning("waiting with no worker attached", request_id=live.request_id)
+                self._emit(
+                    live,
+                    waiting=serving_pb2.Waiting(
+                        reason="no worker is attached to the queue service",
+                        unavailable_in_ms=int(self.no_worker_timeout_s * 1000),
+                    ),
+                )
+
+    def expire_unattended(self) -> None:
+        """End with UNAVAILABLE, not run, the requests that waited ``no_worker_timeout_s`` with
+        no worker attached."""
+        if self.dispatcher.handles:
+            return
+        now = self.clock()
+        for live in list(self.live.values()):
+            since = live.unattended_since
+            if since is not None and now - since >= self.no_worker_timeout_s:
+                self.dispatcher.handle(RequestCancelled(live.request_id))
+                self._fail(
+                    live,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no worker attached for {now - since:.0f} s: the request was not run; "
+                    "send it again later",
+                )
+
+    def _streamed_to_the_end(self, live: LiveRequest) -> bool:
+        out = live.output_ids
+        if len(out) >= live.record.max_new_tokens:
+            return True
+        return bool(out) and live.record.stop_at_eos and out[-1] in self.eos_ids
 
     def record_for(self, request_id: str) -> queue_pb2.QueuedRequest:
         """The queued record of a live request (what an Assign carries to the worker)."""
@@ -219,7 +283,9 @@ class ServiceCore:
             handler(self, live, worker_id, body, self.clock())
 
     def _on_progress(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        if body.layers_done == 0:  # chunk ends reach the client; layer reports only decide
+        # Chunk ends reach the client; layer reports, and the recompute of a request whose
+        # tokens are streaming already, only decide.
+        if body.layers_done == 0 and not live.output_ids:
             live.tokens_done = body.tokens_done
             self._emit(
                 live,
@@ -310,6 +376,10 @@ class ServiceCore:
 
     def _on_done(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.output_ids = list(body.output_ids)
+        self._complete(live, now)
+        self.dispatcher.handle(RequestDone(live.request_id, worker_id))
+
+    def _complete(self, live: LiveRequest, now: float) -> None:
         finish = "length" if len(live.output_ids) >= live.record.max_new_tokens else "stop"
         self._emit(
             live,
@@ -321,7 +391,6 @@ class ServiceCore:
             ),
         )
         self._end(live, Outcome.DONE, Status.DONE)
-        self.dispatcher.handle(RequestDone(live.request_id, worker_id))
 
     def _on_failed(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         invalid = body.invalid_request

@@ -505,6 +505,13 @@ class Scheduler:
             commands.append(Preempt(req.request_id, worker.worker_id, drop_state))
         return commands
 
+    def shed_reason(self, tier: str, now: float) -> str | None:
+        """Why a new request of ``tier`` would be shed at ``now`` (None: it would not be).
+        Admission asks before the request is queued, so that its client hears
+        RESOURCE_EXHAUSTED instead of Queued; arrival applies the same rule again."""
+        policy = self.tiers[tier] if tier in self.tiers else None  # noqa: SIM401 (get raises)
+        return self._overload_reason(now) if policy is not None and policy.sheddable else None
+
     def _overload_reason(self, now: float) -> str | None:
         queued = sum(1 for r in self._requests.values() if r.waiting and r.tier.sheddable)
         limit = self.config.max_queued_sheddable

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.processes import ServiceProcess, free_port, python_module, wait_http_ok, wait_serving
+from launch.processes import (
+    QUEUE_SERVICE_LISTENING,
+    ServiceProcess,
+    free_port,
+    python_module,
+    wait_http_ok,
+    wait_serving,
+)
 from worker.config import WorkerConfig
 
 
@@ -48,7 +55,7 @@ def start_queue_service(
         env={"TIERFLOW_KAFKA_GROUP_ID": kafka_settings.group_id},
     )
     target = f"127.0.0.1:{port}"
-    wait_serving(target)
+    wait_serving(target, service=QUEUE_SERVICE_LISTENING)
     return proc, target
 
 

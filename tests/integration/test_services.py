@@ -17,9 +17,12 @@ import grpc
 import pytest
 import torch
 
+from ops.topics import read_topic
+from tests.integration.load import stream_until, worker_events
 from tests.integration.processes import start_queue_service, start_worker
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
+from tierflow.v1 import serving_pb2
 from worker.models import load_model
 
 SERVICE_TIERS = SERVICE_TIERS_TOML
@@ -165,30 +168,33 @@ def test_restart_while_queued_completes_everything_once(stack, tiny_llama):
     assert again.text == early[0].text and [e.WhichOneof("event") for e in again.events] == ["done"]
     worker.stop()  # nothing runs the next requests: they stay queued
     queued_ids = [f"queued-{i}" for i in range(6)]
-
-    def prompt_of(request_id: str) -> list[int]:
-        return ids(40, seed=int(request_id.rsplit("-", 1)[1]))
-
-    def queue_and_leave(request_id: str) -> None:
-        with TierflowClient(target, tier="batch") as client:
-            stream = client.generate(prompt_of(request_id), request_id=request_id, timeout=60)
-            assert next(stream).WhichOneof("event") == "queued"  # durable in Kafka
-            stream.close()  # the client goes away; the crash below comes first anyway
-
-    for request_id in queued_ids:
-        queue_and_leave(request_id)
+    # Each client keeps its stream open (a closed stream would cancel its request) until the
+    # crash breaks it; nobody sends anything again afterwards.
+    streams = [
+        stream_until(target, "batch", rid, ids(40, seed=i), until=lambda kinds: "queued" in kinds)
+        for i, rid in enumerate(queued_ids)
+    ]
+    for _, queued in streams:
+        assert queued.wait(60)
     qs.kill()
+    for future, _ in streams:
+        assert future.result(timeout=60).done is None  # the crash ended every stream
     _, target = stack.queue_service("tiny-llama")
-    stack.worker(target, "w2", "tiny-llama", chunk_size=64)
+    w2 = stack.worker(target, "w2", "tiny-llama", chunk_size=64)
+    # Redelivered from Kafka and completed without any client retry, each exactly once.
+    deadline = time.monotonic() + 120
     with TierflowClient(target, tier="batch") as client:
         for request_id in queued_ids:
-            # The client retries with its idempotency key: it joins the re-delivered request.
-            events = events_of(client, prompt_of(request_id), request_id=request_id, timeout=120)
-            assert kinds(events)[-1] == "done", (request_id, kinds(events))
+            while client.status(request_id).state != serving_pb2.RequestStatus.DONE:
+                assert time.monotonic() < deadline, request_id
+                time.sleep(0.2)
+        finished = worker_events([w2], "finished")
+        assert all(finished[rid] == 1 for rid in queued_ids), finished
         for c in early:  # finished before the crash: committed, never delivered again
             with pytest.raises(grpc.RpcError) as err:
                 client.status(c.request_id)
             assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert not set(finished) - set(queued_ids)
 
 
 def test_bad_input_gets_precise_statuses_and_the_service_keeps_serving(stack):
@@ -240,7 +246,9 @@ def test_client_cancel_stops_the_request(stack):
         assert client.complete(ids(16, seed=10), max_new_tokens=1).text is not None
 
 
-def test_two_instances_in_one_group_relay_events_to_the_client_stream(stack, tiny_llama):
+def test_two_instances_in_one_group_relay_events_to_the_client_stream(
+    stack, tiny_llama, kafka_settings
+):
     """Both instances consume the tier topics as one group; whichever runs a request sends its
     events to the reply topic of the instance that holds the client's stream."""
     _, a = stack.queue_service("tiny-llama", instance_id="qs-a")
@@ -248,11 +256,14 @@ def test_two_instances_in_one_group_relay_events_to_the_client_stream(stack, tin
     stack.worker(a, "wa", "tiny-llama", chunk_size=32)
     stack.worker(b, "wb", "tiny-llama", chunk_size=32)
     prompts = [ids(30 + 7 * i, seed=50 + i) for i in range(8)]
+    instance_of = {f"two-{i}": ("qs-a", "qs-b")[i % 2] for i in range(8)}
 
     def run(i: int):
         target = (a, b)[i % 2]
         with TierflowClient(target, tier=("critical", "batch")[i % 2]) as client:
-            return events_of(client, prompts[i], max_new_tokens=2, timeout=120)
+            return events_of(
+                client, prompts[i], request_id=f"two-{i}", max_new_tokens=2, timeout=120
+            )
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(run, range(8)))
@@ -260,3 +271,13 @@ def test_two_instances_in_one_group_relay_events_to_the_client_stream(stack, tin
         assert kinds(events)[0] == "queued" and kinds(events)[-1] == "done", (i, kinds(events))
         first = next(e.first_token for e in events if e.WhichOneof("event") == "first_token")
         assert first.token_id == greedy_first_token(tiny_llama.model, prompts[i])
+    # Events did cross: each tier topic has one partition, so one instance ran every request
+    # of a tier, and the other instance's clients got theirs through its reply topic.
+    crossed = {}
+    for instance in ("qs-a", "qs-b"):
+        topic = kafka_settings.reply_topic(instance)
+        for record in read_topic(kafka_settings, topic, idle_s=1.0):
+            crossed.setdefault(record["value"]["request_id"], set()).add(instance)
+    assert crossed, "no event went through a reply topic"
+    for request_id, instances in crossed.items():
+        assert instances == {instance_of[request_id]}, (request_id, instances)

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from tests.attention import ATTENTION, model_with_attention
 from tests.engine_hooks import StopAfter
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
@@ -60,11 +61,12 @@ def reference_logits(model, ids) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1]
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("chunk_size", [5, 48, None])
 @pytest.mark.parametrize("check", ["layer", "half"])
-def test_preempted_prefill_gives_exact_logits(request, model_fixture, chunk_size, check):
-    loaded = request.getfixturevalue(model_fixture)
+def test_preempted_prefill_gives_exact_logits(request, model_fixture, chunk_size, check, attn):
+    loaded = model_with_attention(request, model_fixture, attn)
     model = loaded.model
     ids = prompt(130, model.config.vocab_size, seed=7)
     expected = reference_logits(model, ids)
@@ -156,9 +158,10 @@ def test_interleaving_three_tasks(tiny_qwen2):
     assert engine.suspended_bytes == 0
 
 
+@pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
-def test_greedy_tokens_after_resume_match_generate(request, model_fixture):
-    loaded = request.getfixturevalue(model_fixture)
+def test_greedy_tokens_after_resume_match_generate(request, model_fixture, attn):
+    loaded = model_with_attention(request, model_fixture, attn)
     model = loaded.model
     ids = prompt(90, model.config.vocab_size, seed=11)
     with torch.no_grad():
@@ -197,8 +200,9 @@ def test_sampling_is_seeded(tiny_llama):
     assert sample_once(params) != sample_once(SamplingParams(temperature=1.5, top_p=0.9, seed=43))
 
 
-def test_memory_cap_drops_state_and_recompute_is_exact(tiny_llama):
-    model = tiny_llama.model
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_memory_cap_drops_state_and_recompute_is_exact(request, attn):
+    model = model_with_attention(request, "tiny_llama", attn).model
     ids = prompt(100, model.config.vocab_size, seed=5)
     engine = PrefillEngine(model, EngineConfig(chunk_size=25, check="layer", memory_cap_bytes=1))
     channel = PreemptionChannel()
@@ -217,6 +221,48 @@ def test_memory_cap_drops_state_and_recompute_is_exact(tiny_llama):
     torch.testing.assert_close(
         recorder.first_logits, reference_logits(model, ids), atol=TOL, rtol=0
     )
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.2, top_p=0.9, seed=5)]
+)
+def test_decode_dropped_for_recompute_emits_each_token_once_and_continues_exactly(
+    request, attn, sampling
+):
+    """A decoding request whose state is dropped (recompute policy, memory cap) recomputes its
+    prompt and the tokens it produced, then continues: no token is emitted twice, and the
+    tokens are those of an uninterrupted run (sampling too: its generator is kept)."""
+    model = model_with_attention(request, "tiny_llama", attn).model
+    ids = prompt(40, model.config.vocab_size, seed=21)
+
+    def new_task(engine):
+        return engine.new_task(
+            GenerationRequest("k", ids, max_new_tokens=12, sampling=sampling, stop_at_eos=False)
+        )
+
+    uninterrupted = new_task(PrefillEngine(model, EngineConfig(chunk_size=16)))
+    PrefillEngine(model, EngineConfig(chunk_size=16)).run(uninterrupted, PreemptionChannel())
+    # A cap of one byte: every preemption drops the state.
+    engine = PrefillEngine(model, EngineConfig(chunk_size=16, check="layer", memory_cap_bytes=1))
+    channel = PreemptionChannel()
+    # 4 layers: the prefill is 12 layer calls, each decode step 4. Raised during the 2nd decode
+    # step (taken before the 3rd), then during the 5th step after the 12-call recompute.
+    trigger = StopAfter(model, channel, {12 + 5, 12 + 8 + 12 + 20}, halves=False)
+    recorder = Recorder()
+    task = new_task(engine)
+    dropped_with = []
+    try:
+        while (outcome := engine.run(task, channel, recorder)).status is RunStatus.PREEMPTED:
+            assert outcome.state_dropped
+            assert task.state is None and task.phase is Phase.QUEUED
+            dropped_with.append(len(task.output_ids))
+    finally:
+        trigger.remove()
+    assert outcome.status is RunStatus.FINISHED
+    assert dropped_with == [3, 8] and task.recomputes == 2
+    assert recorder.tokens == uninterrupted.output_ids == task.output_ids  # once each, exact
+    assert engine.suspended_bytes == 0
 
 
 def test_drop_signal_recomputes_even_under_the_cap(tiny_llama):

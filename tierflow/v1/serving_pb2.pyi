@@ -41,20 +41,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "queued", "progress", "first_token", "token", "done")
+    __slots__ = ("request_id", "queued", "progress", "first_token", "token", "done", "waiting")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queued: Queued
     progress: PrefillProgress
     first_token: FirstToken
     token: Token
     done: Done
-    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    waiting: Waiting
+    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("tier", "position", "prompt_tokens")
@@ -65,6 +67,14 @@ class Queued(_message.Message):
     position: int
     prompt_tokens: int
     def __init__(self, tier: _Optional[str] = ..., position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class Waiting(_message.Message):
+    __slots__ = ("reason", "unavailable_in_ms")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    unavailable_in_ms: int
+    def __init__(self, reason: _Optional[str] = ..., unavailable_in_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("tokens_done", "prompt_tokens", "preemptions")
