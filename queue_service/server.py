@@ -79,6 +79,7 @@ class QueueService:
             ),
             instance_id=config.instance_id,
             decode=lambda ids: info.tokenizer.decode(ids, skip_special_tokens=True),
+            decode_stream=lambda: info.tokenizer.decode_stream(skip_special_tokens=True).step,
         )
         self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
         self.clients = ClientApi(

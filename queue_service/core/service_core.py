@@ -99,6 +99,7 @@ class ServiceCore:
         *,
         instance_id: str,
         decode: Callable[[list[int]], str],
+        decode_stream: Callable[[], Callable[[int], str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         remember_finished: int = 10_000,
     ) -> None:
@@ -106,6 +107,9 @@ class ServiceCore:
         self.transport = transport
         self.instance_id = instance_id
         self.decode = decode
+        # A new incremental decoder (token id -> text piece) per run of a request; without one,
+        # each token is decoded alone (a byte-level token may then show as U+FFFD).
+        self.decode_stream = decode_stream or (lambda: lambda token_id: decode([token_id]))
         self.clock = clock
         self.live: dict[str, LiveRequest] = {}
         self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
@@ -228,11 +232,12 @@ class ServiceCore:
         live.prefill_busy_ms = body.prefill_busy_ms
         live.output_ids = [body.token_id]
         live.state = Status.RUNNING
+        live.text_step = self.decode_stream()  # a run from token 0: its text starts afresh
         self._emit(
             live,
             first_token=serving_pb2.FirstToken(
                 token_id=body.token_id,
-                text=self.decode([body.token_id]),
+                text=live.text_step(body.token_id),
                 ttft_ms=(now - live.arrived_at) * 1000,
             ),
         )
@@ -244,7 +249,9 @@ class ServiceCore:
 
     def _on_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.output_ids.append(body.token_id)
-        text = self.decode([body.token_id])
+        if live.text_step is None:  # a token without its first token (never expected)
+            live.text_step = self.decode_stream()
+        text = live.text_step(body.token_id)
         self._emit(live, token=serving_pb2.Token(token_id=body.token_id, text=text))
 
     def _on_preempted(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
@@ -275,6 +282,7 @@ class ServiceCore:
 
     def _on_done(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.output_ids = list(body.output_ids)
+        live.ended_at = now
         finish = "length" if len(live.output_ids) >= live.record.max_new_tokens else "stop"
         self._emit(
             live,
@@ -376,6 +384,8 @@ class ServiceCore:
 
     def _end(self, live: LiveRequest, outcome: Outcome, state: int, error: str = "") -> None:
         live.outcome, live.state, live.error = outcome, state, error
+        if live.ended_at is None:
+            live.ended_at = self.clock()
         self.live.pop(live.request_id, None)
         self.finished[live.request_id] = live
         if live.delivery is not None:
