@@ -91,6 +91,7 @@ class QueueService:
             publish=self.kafka.publish,
             tokenize=info.tokenizer.encode,
             vocab_size=info.vocab_size,
+            deadline_margin_s=config.deadline_margin_s,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
@@ -153,8 +154,15 @@ class QueueService:
             metrics_port=endpoint.port if endpoint else None,
         )
         await stopping.wait()
-        log.info("stopping")
         await self.health.enter_graceful_shutdown()
+        # The requests stay in Kafka (uncommitted) and run after a restart or on another
+        # instance: their clients are told UNAVAILABLE, the cue to reattach.
+        streams = self.clients.end_streams(
+            grpc.StatusCode.UNAVAILABLE,
+            "the queue service is stopping; request {request_id} stays queued: send it again "
+            "with its request_id to reattach",
+        )
+        log.info("stopping", client_streams_ended=streams)
         watchdog.cancel()
         await self.server.stop(self.config.grace_s)
         sampler.cancel()
@@ -175,6 +183,12 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
     p.add_argument("--instance-id")
     p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
+    p.add_argument(
+        "--deadline-margin",
+        type=float,
+        default=defaults.deadline_margin_s,
+        help="seconds before a client's gRPC deadline its stream ends (beats the edge's timer)",
+    )
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
@@ -192,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         predictor_file=args.predictor,
         kafka=KafkaSettings.from_env(**overrides),
         heartbeat_timeout_s=args.heartbeat_timeout,
+        deadline_margin_s=args.deadline_margin,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         **extra,

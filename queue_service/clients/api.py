@@ -2,10 +2,20 @@
 
 Generate: read the tier from the edge's header, validate and tokenise, register the client's
 stream, write the request to its tier's Kafka topic and wait for the broker's acknowledgement,
-then answer ``Queued`` and relay the request's events until ``Done`` or an error status. The
-request reaches the scheduler when the priority consumer reads it back from Kafka, so what the
-client was told is queued is durable. A client that cancels, disconnects or runs out of time
-cancels its request: a running prefill stops at the next layer boundary.
+then answer ``Queued`` and relay the request's events until ``Done`` or an error. The request
+reaches the scheduler when the priority consumer reads it back from Kafka, so what the client
+was told is queued is durable. A client that cancels, disconnects or runs out of time cancels
+its request: a running prefill stops at the next layer boundary.
+
+Once ``Queued`` was sent, every stream ends with a terminal event: ``Done``, or a
+``StreamError`` (code and message) followed by the same gRPC status. Envoy's transcoder writes
+that event as a JSON line, so a JSON client over HTTP/1.1, which never sees trailers, learns
+how its stream ended. Before ``Queued`` a refusal is the status alone (an HTTP status for JSON).
+
+Deadlines: the call ends ``deadline_margin_s`` before the gRPC deadline it was given (at most
+a quarter of it), so that its terminal event and status reach the client before the edge's
+timer for the same deadline (Envoy enforces the client's grpc-timeout too, and resets a stream
+it times out, which a client sees as INTERNAL).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         publish: Callable[[queue_pb2.QueuedRequest], None],
         tokenize: Callable[[str], list[int]],
         vocab_size: int,
+        deadline_margin_s: float = 0.5,
     ) -> None:
         self.core = core
         self.tiers = tiers
@@ -50,6 +61,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         self.publish = publish  # blocking until the broker acknowledged (acks=all)
         self.tokenize = tokenize
         self.vocab_size = vocab_size
+        self.deadline_margin_s = deadline_margin_s
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -70,10 +82,17 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
                 log.info("client joined a live request", request_id=request_id, tier=tier)
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while True:
-                item = await self._next_item(queue, deadline, request_id, context)
-                if isinstance(item, ClientError):
-                    finished = True
-                    await context.abort(item.code, item.message)
+                item = await self._next_item(queue, deadline)
+                if item is None or isinstance(item, ClientError):
+                    # The service ended it (failed, rejected, stopping): the request is done with
+                    # here. Its deadline passed: the finally clause cancels it.
+                    finished = item is not None
+                    error = item or ClientError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {request_id} did not finish within its deadline",
+                    )
+                    yield error_event(request_id, error)
+                    await context.abort(error.code, error.message)
                 yield item
                 if item.WhichOneof("event") == "done":
                     finished = True
@@ -99,6 +118,8 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed")
+        if remaining is not None:  # end before the edge's timer for the same deadline
+            remaining -= min(self.deadline_margin_s, remaining / 4)
         return tier, admitted, _earliest(remaining, admitted.timeout_ms / 1000 or None)
 
     async def _known_request(
@@ -170,20 +191,22 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
 
     @staticmethod
     async def _next_item(
-        queue: asyncio.Queue[ClientItem],
-        deadline: float | None,
-        request_id: str,
-        context: grpc.aio.ServicerContext,
-    ) -> ClientItem:
-        """The request's next event or error; the call ends when its deadline passes first."""
+        queue: asyncio.Queue[ClientItem], deadline: float | None
+    ) -> ClientItem | None:
+        """The request's next event or error; None when its deadline passes first."""
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return await asyncio.wait_for(queue.get(), wait)
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"request {request_id} did not finish within its deadline",
-            )
+            return None
+
+    def end_streams(self, code: grpc.StatusCode, message: str) -> int:
+        """End every open client stream with ``code`` (terminal event, then status) without
+        cancelling its request: what a stopping service does. Returns how many there were."""
+        streams = list(self.core.clients.items())
+        for request_id, queue in streams:
+            queue.put_nowait(ClientError(code, message.format(request_id=request_id)))
+        return len(streams)
 
     async def GetRequest(
         self, request: serving_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
@@ -202,6 +225,14 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             text=self.core.decode(live.output_ids),
             error=live.error,
         )
+
+
+def error_event(request_id: str, error: ClientError) -> serving_pb2.GenerateEvent:
+    """The terminal event of a stream that fails after it started (the status follows it)."""
+    return serving_pb2.GenerateEvent(
+        request_id=request_id,
+        error=serving_pb2.StreamError(code=error.code.value[0], message=error.message),
+    )
 
 
 def _earliest(*timeouts: float | None) -> float | None:
