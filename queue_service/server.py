@@ -159,8 +159,8 @@ class QueueService:
         # instance: their clients are told UNAVAILABLE, the cue to reattach.
         streams = self.clients.end_streams(
             grpc.StatusCode.UNAVAILABLE,
-            "the queue service is stopping; request {request_id} stays queued: send it again "
-            "with its request_id to reattach",
+            "the queue service is stopping; the request stays queued: send it again with its "
+            "request_id to reattach",
         )
         log.info("stopping", client_streams_ended=streams)
         watchdog.cancel()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
+from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -87,12 +87,16 @@ def generate_request(
     return request
 
 
-def _metadata(api_key: str | None, tier: str | None) -> tuple[tuple[str, str], ...]:
+def _metadata(
+    api_key: str | None, tier: str | None, key_id: str | None = None
+) -> tuple[tuple[str, str], ...]:
     metadata = []
     if api_key is not None:
         metadata.append((API_KEY_HEADER, api_key))
     if tier is not None:
         metadata.append((TIER_HEADER, tier))
+    if key_id:
+        metadata.append((KEY_ID_HEADER, key_id))
     return tuple(metadata)
 
 
@@ -181,16 +185,18 @@ class AsyncTierflowClient:
         prompt: str | Sequence[int],
         *,
         tier: str | None = None,
+        key_id: str | None = None,
         timeout: float | None = None,
         **params,
     ) -> EventStream:
         """The Generate call: ``await call.read()`` (or ``async for``) gives its events and
         raises ``grpc.aio.AioRpcError`` with the status on failure; ``call.cancel()`` cancels
-        the request. ``tier`` is sent as the trusted tier header (a caller behind the edge);
-        ``params``: see ``generate_request``."""
+        the request. ``tier`` and ``key_id`` are sent as the trusted headers that the edge sets
+        (a caller behind the edge: the request is in that key's scope); ``params``: see
+        ``generate_request``."""
         call = self._stub.Generate(
             generate_request(prompt, **params),
-            metadata=_metadata(self._api_key, tier),
+            metadata=_metadata(self._api_key, tier, key_id),
             timeout=timeout,
         )
         return EventStream(call)

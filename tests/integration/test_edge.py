@@ -37,6 +37,7 @@ from gateway.envoy_config import render_envoy_config
 from gateway.keys import hash_key
 from launch.processes import REPO, ServiceProcess, free_port
 from launch.protogen import write_descriptor_set
+from queue_service.clients.admission import scoped_request_id
 from tests.integration.processes import (
     start_envoy,
     start_gateway,
@@ -64,6 +65,12 @@ def ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
 
 def kinds(events) -> list[str]:
     return [e.WhichOneof("event") for e in events]
+
+
+def demo_scoped(tier: str, request_id: str) -> str:
+    """The queue service's (and the worker's) name of a request sent with a demo key: its id in
+    the key's scope (``config/keys.toml`` labels the demo key of a tier ``demo-<tier>``)."""
+    return scoped_request_id(f"demo-{tier}", request_id)
 
 
 def status_of(target: str, metadata, **kw) -> tuple[grpc.StatusCode, str]:
@@ -386,7 +393,7 @@ class TestTinyStack:
         assert refused is not None, "batch was never rate limited"
         i, code, details = refused
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
-        assert not tiny_edge.queue_service_saw(f"edge-rl-{i}")
+        assert not tiny_edge.queue_service_saw(demo_scoped("batch", f"edge-rl-{i}"))
         # Buckets are per tier: critical is unaffected.
         with tiny_edge.client("critical") as client:
             assert client.complete(ids(20, seed=9), timeout=120).tier == "critical"
@@ -437,7 +444,8 @@ class TestBenchStack:
         # Queued arrived while the prefill was still to run: it was streamed, not buffered.
         assert first["queued"]["tier"] == "standard" and first["request_id"] == "json-1"
         assert not any(
-            e.get("event") == "finished" and e.get("request_id") == "json-1"
+            e.get("event") == "finished"
+            and e.get("request_id") == demo_scoped("standard", "json-1")
             for e in bench_edge.worker.log_events()
         )
         events = [first] + [json.loads(line) for line in reply if line.strip()]
@@ -473,15 +481,16 @@ class TestBenchStack:
         assert time.monotonic() - started < 30
         assert kinds(events)[0] == "queued" and kinds(events)[-1] == "error", kinds(events)
         assert events[-1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        name = demo_scoped("batch", "deadline-1")
         bench_edge.queue_service.wait_for_log(
-            "client gone, cancelling", request_id="deadline-1", timeout=60
+            "client gone, cancelling", request_id=name, timeout=60
         )
         # It was on the worker when time ran out (on a loaded machine maybe before its first
         # chunk ended), and the worker stopped it.
-        bench_edge.worker.wait_for_log("assigned", request_id="deadline-1", timeout=5)
-        bench_edge.worker.wait_for_log("cancelled", request_id="deadline-1", timeout=60)
+        bench_edge.worker.wait_for_log("assigned", request_id=name, timeout=5)
+        bench_edge.worker.wait_for_log("cancelled", request_id=name, timeout=60)
         assert not any(
-            e.get("event") == "finished" and e.get("request_id") == "deadline-1"
+            e.get("event") == "finished" and e.get("request_id") == name
             for e in bench_edge.worker.log_events()
         )
 
