@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from queue_service.broker.bridge import KafkaBridge
 from queue_service.clients.admission import AdmissionLimits
 from queue_service.clients.api import ClientApi
+from queue_service.clients.wire import add_client_api
 from queue_service.config import QueueServiceConfig
 from queue_service.core.finished import finished_record
 from queue_service.core.live import LiveRequest
@@ -40,7 +41,7 @@ from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.metrics import serve_metrics
 from tierflow.tiers import load_tiers
-from tierflow.v1 import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("queue_service")
 
@@ -95,7 +96,7 @@ class QueueService:
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        serving_pb2_grpc.add_TierflowServicer_to_server(self.clients, self.server)
+        add_client_api(self.clients, self.server)  # a request that does not parse: INVALID_ARGUMENT
         worker_pb2_grpc.add_WorkerControlServicer_to_server(self.workers, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

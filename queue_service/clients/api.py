@@ -37,6 +37,7 @@ from queue_service.clients.admission import (
     scoped_request_id,
     tier_from_metadata,
 )
+from queue_service.clients.wire import Unparsable
 from queue_service.core.live import LiveRequest, Outcome
 from queue_service.core.service_core import ClientError, ClientItem, ServiceCore
 from tierflow.tiers import TierTable
@@ -68,6 +69,8 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateEvent]:
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         intake = await self._admit(request, context)
         client_id, request_id = intake.client_id, intake.record.request_id
         known = await self._known_request(intake, context)
@@ -224,6 +227,8 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
     ) -> serving_pb2.RequestStatus:
         """The request of that id in the caller's key's scope; another key's is NOT_FOUND,
         exactly like an id nobody used."""
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             key_id = key_id_from_metadata(context.invocation_metadata() or ())
         except AdmissionError as exc:
