@@ -58,8 +58,13 @@ def _header(http: attribute_context_pb2.AttributeContext.HttpRequest, name: str)
 
 
 def presented_key(http: attribute_context_pb2.AttributeContext.HttpRequest) -> str | None:
-    """The key in ``x-api-key``, else in ``Authorization: Bearer <key>``."""
-    key = _header(http, API_KEY_HEADER)
+    """The key in ``x-api-key``, else in ``Authorization: Bearer <key>``.
+
+    Whitespace around the key is not part of it, on every path: HTTP/1.1's parser (Envoy's
+    codec) drops it from a header value before this sees it, HTTP/2 (gRPC, JSON over h2)
+    passes it on, so it is stripped here too. A key itself never contains whitespace
+    (``gateway.keys.hash_key``), so nothing is lost."""
+    key = (_header(http, API_KEY_HEADER) or "").strip()
     if key:
         return key
     scheme, _, credentials = (_header(http, AUTHORIZATION_HEADER) or "").strip().partition(" ")

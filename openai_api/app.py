@@ -3,8 +3,9 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models[/<id>]   GET /health
 
-The key's tier is the ``x-tierflow-tier`` header that the gateway set (Envoy's ext_authz); this
-service is reachable only behind Envoy. A client that goes away cancels its request, streamed
+The key's tier is the ``x-tierflow-tier`` header that the gateway set (Envoy's ext_authz), and
+its label ``x-tierflow-key-id``, which scopes the request's id to the key; this service is
+reachable only behind Envoy. A client that goes away cancels its request, streamed
 or not: the Generate call is cancelled, and the queue service stops the prefill at the next
 layer.
 """
@@ -32,7 +33,7 @@ from openai_api.render import DONE_EVENT, Renderer
 from openai_api.service_tiers import ServiceTiers
 from openai_api.translate import Plan, ServedModel, chat_plan, check_model, completion_plan
 from tierflow.client import AsyncTierflowClient
-from tierflow.tiers import TIER_HEADER
+from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER
 
 log = structlog.get_logger("openai_api")
 
@@ -114,6 +115,9 @@ class OpenAIApi:
         call = self.queue.generate(
             plan.prompt_ids,
             tier=tier,
+            # The key's label (set by the gateway): the request is in that key's scope, so its
+            # id (x-tierflow-request-id) means nothing to any other key.
+            key_id=request.headers.get(KEY_ID_HEADER),
             max_new_tokens=plan.max_new_tokens,
             temperature=plan.temperature,
             top_p=plan.top_p,

@@ -35,5 +35,8 @@ class QueueServiceConfig:
     max_new_tokens: int = 1024
     max_live: int = 256  # requests taken from Kafka and not finished; the rest wait in Kafka
     grace_s: float = 5.0
+    # A client stream ends this long before its gRPC deadline (at most a quarter of it), so that
+    # its terminal event and status beat the edge's timer for the same deadline.
+    deadline_margin_s: float = 0.5
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics and request-log records
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port

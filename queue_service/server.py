@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from queue_service.broker.bridge import KafkaBridge
 from queue_service.clients.admission import AdmissionLimits
 from queue_service.clients.api import ClientApi
+from queue_service.clients.wire import add_client_api
 from queue_service.config import QueueServiceConfig
 from queue_service.core.finished import finished_record
 from queue_service.core.live import LiveRequest
@@ -43,7 +44,7 @@ from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.metrics import serve_metrics
 from tierflow.tiers import load_tiers
-from tierflow.v1 import serving_pb2, serving_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("queue_service")
 
@@ -93,6 +94,7 @@ class QueueService:
                 i for i in (info.tokenizer.token_id(info.tokenizer.eos_token),) if i is not None
             ),
             no_worker_timeout_s=config.no_worker_timeout_s,
+            decode_stream=lambda: info.tokenizer.decode_stream(skip_special_tokens=True).step,
         )
         self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
         self.clients = ClientApi(
@@ -104,10 +106,11 @@ class QueueService:
             publish=self.kafka.publish,
             tokenize=info.tokenizer.encode,
             vocab_size=info.vocab_size,
+            deadline_margin_s=config.deadline_margin_s,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
-        serving_pb2_grpc.add_TierflowServicer_to_server(self.clients, self.server)
+        add_client_api(self.clients, self.server)  # a request that does not parse: INVALID_ARGUMENT
         worker_pb2_grpc.add_WorkerControlServicer_to_server(self.workers, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -184,9 +187,16 @@ class QueueService:
             metrics_port=endpoint.port if endpoint else None,
         )
         await stopping.wait()
-        log.info("stopping")
         readiness.cancel()
         await self.health.enter_graceful_shutdown()
+        # The requests stay in Kafka (uncommitted) and run after a restart or on another
+        # instance: their clients are told UNAVAILABLE, the cue to reattach.
+        streams = self.clients.end_streams(
+            grpc.StatusCode.UNAVAILABLE,
+            "the queue service is stopping; the request stays queued: send it again with its "
+            "request_id to reattach",
+        )
+        log.info("stopping", client_streams_ended=streams)
         watchdog.cancel()
         await self.server.stop(self.config.grace_s)
         sampler.cancel()
@@ -215,6 +225,10 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         "--max-queued-sheddable", type=int, default=defaults.max_queued_sheddable,
         help="refuse a sheddable tier's request when this many of them already wait",
     )  # fmt: skip
+    p.add_argument(
+        "--deadline-margin", type=float, default=defaults.deadline_margin_s,
+        help="seconds before a client's gRPC deadline its stream ends (beats the edge's timer)",
+    )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
@@ -234,6 +248,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
         max_queued_sheddable=args.max_queued_sheddable,
+        deadline_margin_s=args.deadline_margin,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         **extra,

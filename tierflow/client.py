@@ -8,6 +8,10 @@ Through the edge, pass ``api_key`` (sent as ``x-api-key``; the edge derives the 
 to a queue service directly (tests, a trusted network), pass ``tier`` instead (sent as
 ``x-tierflow-tier``, which the edge would overwrite). ``AsyncTierflowClient`` is the same for
 asyncio programs (the OpenAI-compatible service uses it).
+
+A stream that fails after it started ends with a ``StreamError`` event before its status; both
+clients raise it as the status it announces (``StreamError``, ``grpc.aio.AioRpcError``), so the
+caller sees one error either way, even when a proxy reset the stream before the status.
 """
 
 from __future__ import annotations
@@ -17,8 +21,35 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
+from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
+
+
+class StreamError(grpc.RpcError):
+    """A stream's terminal ``error`` event, raised like the gRPC status it announces."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a numeric code (``StreamError.code`` of the event)."""
+    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
+
+
+def _failure(event: serving_pb2.GenerateEvent) -> tuple[grpc.StatusCode, str] | None:
+    """(code, message) when ``event`` is the terminal error event."""
+    if event.WhichOneof("event") != "error":
+        return None
+    return status_code(event.error.code), event.error.message
 
 
 @dataclass(frozen=True)
@@ -56,12 +87,16 @@ def generate_request(
     return request
 
 
-def _metadata(api_key: str | None, tier: str | None) -> tuple[tuple[str, str], ...]:
+def _metadata(
+    api_key: str | None, tier: str | None, key_id: str | None = None
+) -> tuple[tuple[str, str], ...]:
     metadata = []
     if api_key is not None:
         metadata.append((API_KEY_HEADER, api_key))
     if tier is not None:
         metadata.append((TIER_HEADER, tier))
+    if key_id:
+        metadata.append((KEY_ID_HEADER, key_id))
     return tuple(metadata)
 
 
@@ -95,7 +130,11 @@ class TierflowClient:
             generate_request(prompt, **params), metadata=self._metadata, timeout=timeout
         )
         try:
-            yield from call
+            for event in call:
+                failure = _failure(event)
+                if failure is not None:
+                    raise StreamError(*failure)
+                yield event
         finally:
             call.cancel()  # no-op when the stream already ended
 
@@ -146,18 +185,52 @@ class AsyncTierflowClient:
         prompt: str | Sequence[int],
         *,
         tier: str | None = None,
+        key_id: str | None = None,
         timeout: float | None = None,
         **params,
-    ) -> grpc.aio.UnaryStreamCall:
+    ) -> EventStream:
         """The Generate call: ``await call.read()`` (or ``async for``) gives its events and
         raises ``grpc.aio.AioRpcError`` with the status on failure; ``call.cancel()`` cancels
-        the request. ``tier`` is sent as the trusted tier header (a caller behind the edge);
-        ``params``: see ``generate_request``."""
-        return self._stub.Generate(
+        the request. ``tier`` and ``key_id`` are sent as the trusted headers that the edge sets
+        (a caller behind the edge: the request is in that key's scope); ``params``: see
+        ``generate_request``."""
+        call = self._stub.Generate(
             generate_request(prompt, **params),
-            metadata=_metadata(self._api_key, tier),
+            metadata=_metadata(self._api_key, tier, key_id),
             timeout=timeout,
         )
+        return EventStream(call)
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class EventStream:
+    """A Generate call for asyncio: ``read()`` gives the next event or ``grpc.aio.EOF``, and
+    raises ``grpc.aio.AioRpcError`` for the status or the terminal error event."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read(self) -> serving_pb2.GenerateEvent | object:
+        event = await self._call.read()
+        if event is grpc.aio.EOF:
+            return event
+        failure = _failure(event)
+        if failure is not None:
+            self._call.cancel()
+            code, details = failure
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        return event
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> serving_pb2.GenerateEvent:
+        event = await self.read()
+        if event is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return event

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from tierflow import builtin_tokenizer
 
@@ -37,6 +38,10 @@ class TextTokenizer:
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, *, skip_special_tokens: bool = False) -> TextStream:
+        """A decoder for tokens that arrive one at a time (``TextStream``)."""
+        return TextStream(self.backend, skip_special_tokens)
 
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
@@ -65,6 +70,21 @@ class TextTokenizer:
         (transformers does the same)."""
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+class TextStream:
+    """The text of a growing sequence of tokens, one piece per token (``tokenizers``'
+    ``DecodeStream``). Byte-level and byte-fallback tokens can end inside a UTF-8 character:
+    such a token gives "" and its bytes come out with the token that completes the character,
+    so a piece is never a replacement character ("\ufffd") that the whole text does not have.
+    The pieces join to what ``decode`` gives for all the tokens."""
+
+    def __init__(self, backend: Tokenizer, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
 
 
 def builtin() -> TextTokenizer:

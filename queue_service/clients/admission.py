@@ -4,20 +4,30 @@ precise gRPC status saying why not. Nothing here touches Kafka or the scheduler.
 The tier never comes from the request body: it is the ``x-tierflow-tier`` metadata that the
 edge (Envoy + the gateway's ext_authz) sets after checking the API key, overwriting whatever the
 client sent. Without the edge (tests, a trusted network) the service trusts that header as is.
+
+Request ids are scoped to the caller's key: the gateway sets ``x-tierflow-key-id`` (the key's
+label, never the key) and the service names a request ``<label>/<request_id>`` everywhere
+(Kafka, scheduler, workers, logs), so two keys that pick the same id hold two requests, and
+one key never sees, joins or cancels another's. Requests without a key id (no edge) keep their
+id as it is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
 from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER, TierTable
-from tierflow.v1 import serving_pb2
+from tierflow.v1 import queue_pb2, serving_pb2
 
 MAX_REQUEST_ID_LEN = 128
+# The gateway's key labels (gateway/keys.py): never a "/", which separates scope and id.
+_KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class AdmissionError(Exception):
@@ -50,10 +60,32 @@ class Admitted:
 
 def key_id_from_metadata(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
     """The label of the key that sent the request ("" when it did not come through the edge)."""
-    for k, v in metadata:
-        if k.lower() == KEY_ID_HEADER:
-            return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
-    return ""
+    values = [v for k, v in metadata if k.lower() == KEY_ID_HEADER]
+    if not values:
+        return ""
+    key_id = values[0].decode("utf-8", "replace") if isinstance(values[0], bytes) else values[0]
+    if len(values) > 1 or not _KEY_ID.match(key_id):
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{KEY_ID_HEADER} must be one key label"
+        )
+    return key_id
+
+
+def scoped_request_id(key_id: str, request_id: str) -> str:
+    """The service's name of a client's request: the id within its key's scope."""
+    return f"{key_id}/{request_id}" if key_id else request_id
+
+
+def request_digest(record: queue_pb2.QueuedRequest) -> bytes:
+    """What makes a retry the same request: its prompt and generation parameters (not its tier,
+    deadline or arrival, nor who holds its stream)."""
+    same = queue_pb2.QueuedRequest(
+        prompt_ids=record.prompt_ids,
+        max_new_tokens=record.max_new_tokens,
+        sampling=record.sampling,
+        stop_at_eos=record.stop_at_eos,
+    )
+    return hashlib.sha256(same.SerializeToString(deterministic=True)).digest()
 
 
 def tier_from_metadata(metadata: tuple[tuple[str, str | bytes], ...], tiers: TierTable) -> str:

@@ -2,10 +2,20 @@
 
 Generate: read the tier from the edge's header, validate and tokenise, register the client's
 stream, write the request to its tier's Kafka topic and wait for the broker's acknowledgement,
-then answer ``Queued`` and relay the request's events until ``Done`` or an error status. The
-request reaches the scheduler when the priority consumer reads it back from Kafka, so what the
-client was told is queued is durable. A client that cancels, disconnects or runs out of time
-cancels its request: a running prefill stops at the next layer boundary.
+then answer ``Queued`` and relay the request's events until ``Done`` or an error. The request
+reaches the scheduler when the priority consumer reads it back from Kafka, so what the client
+was told is queued is durable. A client that cancels, disconnects or runs out of time cancels
+its request: a running prefill stops at the next layer boundary.
+
+Once ``Queued`` was sent, every stream ends with a terminal event: ``Done``, or a
+``StreamError`` (code and message) followed by the same gRPC status. Envoy's transcoder writes
+that event as a JSON line, so a JSON client over HTTP/1.1, which never sees trailers, learns
+how its stream ended. Before ``Queued`` a refusal is the status alone (an HTTP status for JSON).
+
+Deadlines: the call ends ``deadline_margin_s`` before the gRPC deadline it was given (at most
+a quarter of it), so that its terminal event and status reach the client before the edge's
+timer for the same deadline (Envoy enforces the client's grpc-timeout too, and resets a stream
+it times out, which a client sees as INTERNAL).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -20,11 +31,13 @@ import structlog
 from queue_service.clients.admission import (
     AdmissionError,
     AdmissionLimits,
-    Admitted,
     admit,
     key_id_from_metadata,
+    request_digest,
+    scoped_request_id,
     tier_from_metadata,
 )
+from queue_service.clients.wire import Unparsable
 from queue_service.core.live import LiveRequest, Outcome
 from queue_service.core.service_core import ClientError, ClientItem, ServiceCore
 from tierflow.tiers import TierTable
@@ -43,6 +56,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         publish: Callable[[queue_pb2.QueuedRequest], None],
         tokenize: Callable[[str], list[int]],
         vocab_size: int,
+        deadline_margin_s: float = 0.5,
     ) -> None:
         self.core = core
         self.tiers = tiers
@@ -50,30 +64,41 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         self.publish = publish  # blocking until the broker acknowledged (acks=all)
         self.tokenize = tokenize
         self.vocab_size = vocab_size
+        self.deadline_margin_s = deadline_margin_s
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateEvent]:
-        tier, admitted, timeout_s = await self._admit(request, context)
-        request_id = admitted.request_id
-        known = await self._known_request(request_id, context)
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        intake = await self._admit(request, context)
+        client_id, request_id = intake.client_id, intake.record.request_id
+        known = await self._known_request(intake, context)
         if known is not None and known.outcome is Outcome.DONE:
             # Idempotent retry of a finished request: answer with its result again.
-            yield self._done_again(known)
+            yield self._done_again(known, client_id)
             return
         queue = self.core.open_client(request_id)
         finished = False
         try:
             if known is None:  # a new request: durable in Kafka before we say Queued
-                yield await self._enqueue(tier, admitted, timeout_s, context)
+                yield await self._enqueue(intake, context)
             else:
-                log.info("client joined a live request", request_id=request_id, tier=tier)
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                log.info("client joined a live request", request_id=request_id)
+            deadline = None if intake.timeout_s is None else time.monotonic() + intake.timeout_s
             while True:
-                item = await self._next_item(queue, deadline, request_id, context)
-                if isinstance(item, ClientError):
-                    finished = True
-                    await context.abort(item.code, item.message)
+                item = await self._next_item(queue, deadline)
+                if item is None or isinstance(item, ClientError):
+                    # The service ended it (failed, rejected, stopping): the request is done with
+                    # here. Its deadline passed: the finally clause cancels it.
+                    finished = item is not None
+                    error = item or ClientError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"request {client_id} did not finish within its deadline",
+                    )
+                    yield error_event(client_id, error)
+                    await context.abort(error.code, error.message)
+                item.request_id = client_id  # the service's name is scoped to the key
                 yield item
                 if item.WhichOneof("event") == "done":
                     finished = True
@@ -88,64 +113,25 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
 
     async def _admit(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> tuple[str, Admitted, float | None]:
-        """The tier, the validated and tokenised request, and how long it may take (seconds,
-        None: no limit); or the call ends with the status that says why not."""
+    ) -> Intake:
+        """The validated and tokenised request, as it would be queued; or the call ends with
+        the status that says why not."""
+        metadata = context.invocation_metadata() or ()
         try:
-            tier = tier_from_metadata(context.invocation_metadata() or (), self.tiers)
+            tier = tier_from_metadata(metadata, self.tiers)
+            key_id = key_id_from_metadata(metadata)
             admitted = admit(request, tier, self.limits, self.tokenize, self.vocab_size)
         except AdmissionError as exc:
             await context.abort(exc.code, exc.message)
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline already passed")
-        return tier, admitted, _earliest(remaining, admitted.timeout_ms / 1000 or None)
-
-    async def _known_request(
-        self, request_id: str, context: grpc.aio.ServicerContext
-    ) -> LiveRequest | None:
-        """What this instance knows of ``request_id`` (a retry): live or done. Ends the call
-        when another client streams it, or when it ended otherwise than done."""
-        known = self.core.lookup(request_id)
-        if request_id in self.core.clients:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request {request_id} is already being streamed to another client",
-            )
-        if known is not None and known.outcome not in (Outcome.LIVE, Outcome.DONE):
-            await context.abort(
-                grpc.StatusCode.ABORTED,
-                f"request {request_id} already ended ({known.outcome.value}); "
-                "send it again with a new request_id",
-            )
-        return known
-
-    def _done_again(self, known: LiveRequest) -> serving_pb2.GenerateEvent:
-        return serving_pb2.GenerateEvent(
-            request_id=known.request_id,
-            done=serving_pb2.Done(
-                usage=known.usage(),
-                timings=known.timings(self.core.clock()),
-                text=self.core.decode(known.output_ids),
-            ),
-        )
-
-    async def _enqueue(
-        self,
-        tier: str,
-        admitted: Admitted,
-        timeout_s: float | None,
-        context: grpc.aio.ServicerContext,
-    ) -> serving_pb2.GenerateEvent:
-        """Write the request to its tier's topic; ``Queued`` once the broker acknowledged it.
-        A request the scheduler would shed is refused here, before it is queued."""
-        shed = self.core.shed_reason(tier)
-        if shed is not None:
-            log.info("shed at admission", request_id=admitted.request_id, tier=tier, reason=shed)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, shed)
+        if remaining is not None:  # end before the edge's timer for the same deadline
+            remaining -= min(self.deadline_margin_s, remaining / 4)
+        timeout_s = _earliest(remaining, admitted.timeout_ms / 1000 or None)
         now = time.time()
         record = queue_pb2.QueuedRequest(
-            request_id=admitted.request_id,
+            request_id=scoped_request_id(key_id, admitted.request_id),
             tier=tier,
             prompt_ids=admitted.prompt_ids,
             max_new_tokens=admitted.max_new_tokens,
@@ -156,50 +142,109 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             arrival_unix_ms=int(now * 1000),
             deadline_unix_ms=int((now + timeout_s) * 1000) if timeout_s else 0,
             reply_to=self.core.instance_id,
-            key_id=key_id_from_metadata(context.invocation_metadata() or ()),
+            key_id=key_id,
         )
-        position = self.core.queue_position(tier)
-        log_ = log.bind(request_id=admitted.request_id, tier=tier)
+        return Intake(admitted.request_id, record, timeout_s)
+
+    async def _known_request(
+        self, intake: Intake, context: grpc.aio.ServicerContext
+    ) -> LiveRequest | None:
+        """What this instance knows of the request's id in its key's scope (a retry): live or
+        done. Ends the call when the id names a different request, when another client streams
+        it, or when it ended otherwise than done."""
+        request_id, client_id = intake.record.request_id, intake.client_id
+        known = self.core.lookup(request_id)
+        if known is not None and request_digest(known.record) != request_digest(intake.record):
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {client_id!r} was already used for a different request (prompt "
+                "or parameters differ); send this one with a new request_id",
+            )
+        if request_id in self.core.clients:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request {client_id} is already being streamed to another client",
+            )
+        if known is not None and known.outcome not in (Outcome.LIVE, Outcome.DONE):
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"request {client_id} already ended ({known.outcome.value}); "
+                "send it again with a new request_id",
+            )
+        return known
+
+    def _done_again(self, known: LiveRequest, client_id: str) -> serving_pb2.GenerateEvent:
+        return serving_pb2.GenerateEvent(
+            request_id=client_id,
+            done=serving_pb2.Done(
+                usage=known.usage(),
+                timings=known.timings(self.core.clock()),
+                text=self.core.decode(known.output_ids),
+            ),
+        )
+
+    async def _enqueue(
+        self, intake: Intake, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.GenerateEvent:
+        """Write the request to its tier's topic; ``Queued`` once the broker acknowledged it.
+        A request the scheduler would shed is refused here, before it is queued."""
+        record = intake.record
+        shed = self.core.shed_reason(record.tier)
+        if shed is not None:
+            log.info("shed at admission", request_id=record.request_id, reason=shed)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, shed)
+        position = self.core.queue_position(record.tier)
+        log_ = log.bind(request_id=record.request_id, tier=record.tier)
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.publish, record)
         except Exception as exc:  # broker unreachable or refused: nothing was queued
             log_.error("kafka publish failed", error=str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request queue unavailable: {exc}")
-        log_.info("queued", prompt_tokens=len(admitted.prompt_ids))
+        log_.info("queued", prompt_tokens=len(record.prompt_ids))
         return serving_pb2.GenerateEvent(
-            request_id=admitted.request_id,
+            request_id=intake.client_id,
             queued=serving_pb2.Queued(
-                tier=tier, position=position, prompt_tokens=len(admitted.prompt_ids)
+                tier=record.tier, position=position, prompt_tokens=len(record.prompt_ids)
             ),
         )
 
     @staticmethod
     async def _next_item(
-        queue: asyncio.Queue[ClientItem],
-        deadline: float | None,
-        request_id: str,
-        context: grpc.aio.ServicerContext,
-    ) -> ClientItem:
-        """The request's next event or error; the call ends when its deadline passes first."""
+        queue: asyncio.Queue[ClientItem], deadline: float | None
+    ) -> ClientItem | None:
+        """The request's next event or error; None when its deadline passes first."""
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return await asyncio.wait_for(queue.get(), wait)
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"request {request_id} did not finish within its deadline",
-            )
+            return None
+
+    def end_streams(self, code: grpc.StatusCode, message: str) -> int:
+        """End every open client stream with ``code`` (terminal event, then status) without
+        cancelling its request: what a stopping service does. Returns how many there were."""
+        streams = list(self.core.clients.values())
+        for queue in streams:
+            queue.put_nowait(ClientError(code, message))
+        return len(streams)
 
     async def GetRequest(
         self, request: serving_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.RequestStatus:
-        live = self.core.lookup(request.request_id)
+        """The request of that id in the caller's key's scope; another key's is NOT_FOUND,
+        exactly like an id nobody used."""
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            key_id = key_id_from_metadata(context.invocation_metadata() or ())
+        except AdmissionError as exc:
+            await context.abort(exc.code, exc.message)
+        live = self.core.lookup(scoped_request_id(key_id, request.request_id))
         if live is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no request {request.request_id!r} on this instance"
             )
         return serving_pb2.RequestStatus(
-            request_id=live.request_id,
+            request_id=request.request_id,
             tier=live.record.tier,
             state=live.state,
             usage=live.usage(),
@@ -207,6 +252,23 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             text=self.core.decode(live.output_ids),
             error=live.error,
         )
+
+
+@dataclass(frozen=True)
+class Intake:
+    """An admitted request: the client's id for it, and the record to queue (its id scoped)."""
+
+    client_id: str
+    record: queue_pb2.QueuedRequest
+    timeout_s: float | None  # how long the client waits; None: no limit
+
+
+def error_event(request_id: str, error: ClientError) -> serving_pb2.GenerateEvent:
+    """The terminal event of a stream that fails after it started (the status follows it)."""
+    return serving_pb2.GenerateEvent(
+        request_id=request_id,
+        error=serving_pb2.StreamError(code=error.code.value[0], message=error.message),
+    )
 
 
 def _earliest(*timeouts: float | None) -> float | None:

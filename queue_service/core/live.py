@@ -8,6 +8,7 @@ finished, and the timings that end up in ``Done`` and ``GetRequest``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ class LiveRequest:
     record: queue_pb2.QueuedRequest
     delivery: Any  # the Kafka delivery to mark finished (None when not from Kafka)
     arrived_at: float  # service clock (monotonic seconds)
+    ended_at: float | None = None  # when it finished, whatever its end: total_ms stops there
     worker_id: str | None = None
     started_at: float | None = None
     first_token_at: float | None = None
@@ -36,6 +38,9 @@ class LiveRequest:
     preemptions: int = 0
     tokens_done: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # The text of the tokens streamed so far, one piece per token (incomplete UTF-8 held back);
+    # a new one per run from token 0.
+    text_step: Callable[[int], str] | None = None
     outcome: Outcome = Outcome.LIVE
     error: str = ""
     shed: bool = False  # rejected for load (not for being invalid)
@@ -54,7 +59,8 @@ class LiveRequest:
             prefill_ms=self.prefill_busy_ms,
             suspended_ms=self.suspended_s * 1000,
             ttft_ms=ttft,
-            total_ms=(now - self.arrived_at) * 1000,
+            total_ms=((self.ended_at if self.ended_at is not None else now) - self.arrived_at)
+            * 1000,
             preemptions=self.preemptions,
         )
 

@@ -112,6 +112,7 @@ class ServiceCore:
         decode: Callable[[list[int]], str],
         eos_ids: frozenset[int] = frozenset(),
         no_worker_timeout_s: float = 60.0,
+        decode_stream: Callable[[], Callable[[int], str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         remember_finished: int = 10_000,
     ) -> None:
@@ -121,6 +122,9 @@ class ServiceCore:
         self.decode = decode
         self.eos_ids = eos_ids  # a streamed request that ends with one of these is complete
         self.no_worker_timeout_s = no_worker_timeout_s
+        # A new incremental decoder (token id -> text piece) per run of a request; without one,
+        # each token is decoded alone (a byte-level token may then show as U+FFFD).
+        self.decode_stream = decode_stream or (lambda: lambda token_id: decode([token_id]))
         self.clock = clock
         self.live: dict[str, LiveRequest] = {}
         self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
@@ -308,11 +312,12 @@ class ServiceCore:
             live.first_token_at = now
             live.prefill_busy_ms = body.prefill_busy_ms
             live.output_ids = [body.token_id]
+            live.text_step = self.decode_stream()  # the text of a new output starts afresh
             self._emit(
                 live,
                 first_token=serving_pb2.FirstToken(
                     token_id=body.token_id,
-                    text=self.decode([body.token_id]),
+                    text=live.text_step(body.token_id),
                     ttft_ms=(now - live.arrived_at) * 1000,
                 ),
             )
@@ -346,7 +351,9 @@ class ServiceCore:
         if index < len(live.output_ids):
             return
         live.output_ids.append(token_id)
-        text = self.decode([token_id])
+        if live.text_step is None:  # a token without its first token (never expected)
+            live.text_step = self.decode_stream()
+        text = live.text_step(token_id)
         self._emit(live, token=serving_pb2.Token(token_id=token_id, text=text))
 
     def _on_preempted(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
@@ -380,6 +387,7 @@ class ServiceCore:
         self.dispatcher.handle(RequestDone(live.request_id, worker_id))
 
     def _complete(self, live: LiveRequest, now: float) -> None:
+        live.ended_at = now
         finish = "length" if len(live.output_ids) >= live.record.max_new_tokens else "stop"
         self._emit(
             live,
@@ -481,6 +489,8 @@ class ServiceCore:
 
     def _end(self, live: LiveRequest, outcome: Outcome, state: int, error: str = "") -> None:
         live.outcome, live.state, live.error = outcome, state, error
+        if live.ended_at is None:
+            live.ended_at = self.clock()
         self.live.pop(live.request_id, None)
         self.finished[live.request_id] = live
         if live.delivery is not None:

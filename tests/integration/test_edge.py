@@ -37,6 +37,7 @@ from gateway.envoy_config import render_envoy_config
 from gateway.keys import hash_key
 from launch.processes import REPO, ServiceProcess, free_port
 from launch.protogen import write_descriptor_set
+from queue_service.clients.admission import scoped_request_id
 from tests.integration.processes import (
     start_envoy,
     start_gateway,
@@ -64,6 +65,12 @@ def ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
 
 def kinds(events) -> list[str]:
     return [e.WhichOneof("event") for e in events]
+
+
+def demo_scoped(tier: str, request_id: str) -> str:
+    """The queue service's (and the worker's) name of a request sent with a demo key: its id in
+    the key's scope (``config/keys.toml`` labels the demo key of a tier ``demo-<tier>``)."""
+    return scoped_request_id(f"demo-{tier}", request_id)
 
 
 def status_of(target: str, metadata, **kw) -> tuple[grpc.StatusCode, str]:
@@ -386,7 +393,7 @@ class TestTinyStack:
         assert refused is not None, "batch was never rate limited"
         i, code, details = refused
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
-        assert not tiny_edge.queue_service_saw(f"edge-rl-{i}")
+        assert not tiny_edge.queue_service_saw(demo_scoped("batch", f"edge-rl-{i}"))
         # Buckets are per tier: critical is unaffected.
         with tiny_edge.client("critical") as client:
             assert client.complete(ids(20, seed=9), timeout=120).tier == "critical"
@@ -437,7 +444,8 @@ class TestBenchStack:
         # Queued arrived while the prefill was still to run: it was streamed, not buffered.
         assert first["queued"]["tier"] == "standard" and first["request_id"] == "json-1"
         assert not any(
-            e.get("event") == "finished" and e.get("request_id") == "json-1"
+            e.get("event") == "finished"
+            and e.get("request_id") == demo_scoped("standard", "json-1")
             for e in bench_edge.worker.log_events()
         )
         events = [first] + [json.loads(line) for line in reply if line.strip()]
@@ -450,31 +458,65 @@ class TestBenchStack:
     def test_client_deadline_passes_through_envoy_and_cancels_the_work(self, bench_edge):
         events = []
         started = time.monotonic()
-        with bench_edge.client("batch") as client, pytest.raises(grpc.RpcError) as err:
-            # 7000 tokens: a prefill of 5 s or more here; the client gives up after 4, by
-            # which time even a busy machine has started it (its first chunk of 512).
-            for event in client.generate(
-                ids(7000, seed=6), max_new_tokens=64, request_id="deadline-1", timeout=4
-            ):
-                events.append(event)
-        # Envoy enforces the same grpc-timeout (so that it reaches the queue service) and its
-        # timer races the client's: when Envoy's fires first it resets the started stream,
-        # which the client sees as INTERNAL (RST_STREAM). That is the open edge defect of the
-        # reliability issue (errors after a stream started); the work is cancelled either way.
-        code, details = err.value.code(), err.value.details() or ""
-        assert code is grpc.StatusCode.DEADLINE_EXCEEDED or (
-            code is grpc.StatusCode.INTERNAL and "RST_STREAM" in details
-        ), (code, details)
-        assert time.monotonic() - started < 30
-        assert "progress" in kinds(events)  # it was running on the worker when time ran out
-        bench_edge.queue_service.wait_for_log(
-            "client gone, cancelling", request_id="deadline-1", timeout=60
+        request = serving_pb2.GenerateRequest(
+            token_ids=serving_pb2.TokenIds(ids=ids(7000, seed=6)),
+            max_new_tokens=64,
+            request_id="deadline-1",
         )
-        bench_edge.worker.wait_for_log("cancelled", request_id="deadline-1", timeout=60)
+        with (
+            grpc.insecure_channel(bench_edge.target) as channel,
+            pytest.raises(grpc.RpcError) as err,
+        ):
+            # 7000 tokens: a prefill of 5 s or more here; the client gives up after 4, by
+            # which time the worker runs it.
+            call = serving_pb2_grpc.TierflowStub(channel).Generate(
+                request, metadata=[("x-api-key", DEMO_KEYS["batch"])], timeout=4
+            )
+            for event in call:
+                events.append(event)
+        # Envoy enforces the same grpc-timeout and resets a stream it times out (INTERNAL for
+        # the client); the queue service ends the stream a margin before, with the terminal
+        # event and the status, so the client sees exactly DEADLINE_EXCEEDED.
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+        assert time.monotonic() - started < 30
+        assert kinds(events)[0] == "queued" and kinds(events)[-1] == "error", kinds(events)
+        assert events[-1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        name = demo_scoped("batch", "deadline-1")
+        bench_edge.queue_service.wait_for_log(
+            "client gone, cancelling", request_id=name, timeout=60
+        )
+        # It was on the worker when time ran out (on a loaded machine maybe before its first
+        # chunk ended), and the worker stopped it.
+        bench_edge.worker.wait_for_log("assigned", request_id=name, timeout=5)
+        bench_edge.worker.wait_for_log("cancelled", request_id=name, timeout=60)
         assert not any(
-            e.get("event") == "finished" and e.get("request_id") == "deadline-1"
+            e.get("event") == "finished" and e.get("request_id") == name
             for e in bench_edge.worker.log_events()
         )
+
+    def test_a_failure_after_the_stream_started_reaches_a_json_client_over_http1(self, bench_edge):
+        """No trailers over HTTP/1.1: the terminal error event, a JSON line, says how it ended."""
+        conn = http.client.HTTPConnection("127.0.0.1", bench_edge.port, timeout=120)
+        body = {
+            "token_ids": {"ids": ids(7000, seed=7)},
+            "max_new_tokens": 8,
+            "request_id": "json-deadline-1",
+            "timeout_ms": 4000,  # the service's own deadline: no client or Envoy timer races it
+        }
+        conn.request(
+            "POST",
+            "/v1/generate",
+            body=json.dumps(body),
+            headers={"x-api-key": DEMO_KEYS["standard"], "content-type": "application/json"},
+        )
+        reply = conn.getresponse()
+        assert reply.status == 200  # the stream started with Queued
+        events = [json.loads(line) for line in reply if line.strip()]
+        conn.close()
+        order = [next(k for k in e if k != "request_id") for e in events]
+        assert order[0] == "queued" and order[-1] == "error", order
+        assert events[-1]["error"]["code"] == "DEADLINE_EXCEEDED"
+        assert "deadline" in events[-1]["error"]["message"]
 
     def test_critical_through_envoy_meets_its_slo_during_a_long_batch_prefill(self, bench_edge):
         batch_events: list = []

@@ -38,7 +38,7 @@ from gateway.envoy_config import render_envoy_config
 from launch.processes import REPO, free_port
 from launch.protogen import write_descriptor_set
 from tests.integration.processes import start_envoy, start_gateway, start_openai_api
-from tests.integration.test_edge import KEYS_FILE, TIERS, edge_stack
+from tests.integration.test_edge import KEYS_FILE, TIERS, demo_scoped, edge_stack
 from tierflow.client import TierflowClient
 from worker.models import load_builtin_tokenizer
 
@@ -99,9 +99,10 @@ def post_raw(stack, path: str, body: bytes, headers: dict[str, str]):
         conn.close()
 
 
-def queued_tier(stack, request_id: str) -> str:
-    event = stack.queue_service.wait_for_log("queued", request_id=request_id, timeout=30)
-    return event["tier"]
+def queued_tier(stack, key_tier: str, request_id: str) -> str:
+    """The tier the queue service queued a request of the demo key of ``key_tier`` in."""
+    name = demo_scoped(key_tier, request_id)
+    return stack.queue_service.wait_for_log("queued", request_id=name, timeout=30)["tier"]
 
 
 # ---------------------------------------------------------------- answers
@@ -186,7 +187,7 @@ def test_service_tier_is_the_keys_or_lower_never_higher(stack):
         reply = critical.with_raw_response.create(**params, **extra)
         assert reply.parse().service_tier == named, asked
         assert reply.headers["x-tierflow-tier"] == tier
-        assert queued_tier(stack, reply.headers["x-tierflow-request-id"]) == tier
+        assert queued_tier(stack, "critical", reply.headers["x-tierflow-request-id"]) == tier
     # A key may not raise its tier: not by service_tier, not by a header of its own.
     with pytest.raises(openai.PermissionDeniedError) as err:
         sdk(stack, "standard").chat.completions.create(**params, service_tier="priority")
@@ -261,7 +262,7 @@ def test_shed_batch_request_is_429_with_retry_after(stack):
                                               request_id=request_id)  # fmt: skip
                 assert next(stream).WhichOneof("event") == "queued"
                 streams.append((request_id, stream))
-            with TierflowClient(stack.target, api_key=DEMO_KEYS["critical"]) as watcher:
+            with TierflowClient(stack.target, api_key=DEMO_KEYS["batch"]) as watcher:
                 for request_id, _ in streams:  # until the scheduler holds them all
                     wait_until_scheduled(watcher, request_id)
             with pytest.raises(openai.RateLimitError) as err:
@@ -295,7 +296,7 @@ def test_a_closed_stream_cancels_its_request_on_the_worker(stack):
     stream = client.completions.create(
         model=MODEL, prompt=ids(3500, seed=11), max_tokens=32, stream=True
     )
-    request_id = stream.response.headers["x-tierflow-request-id"]
+    request_id = demo_scoped("batch", stream.response.headers["x-tierflow-request-id"])
     stream.close()
     stack.queue_service.wait_for_log("client gone, cancelling", request_id=request_id, timeout=60)
     stack.worker.wait_for_log("cancelled", request_id=request_id, timeout=60)
@@ -312,7 +313,7 @@ def test_critical_chat_overtakes_a_running_batch_completion(stack):
     batch = sdk(stack, "batch").completions.create(
         model=MODEL, prompt=ids(3500, seed=21), max_tokens=2, stream=True
     )  # returns once its prefill is running
-    batch_id = batch.response.headers["x-tierflow-request-id"]
+    batch_id = demo_scoped("batch", batch.response.headers["x-tierflow-request-id"])
     first_batch_text_at: list[float] = []
 
     def read_batch() -> None:

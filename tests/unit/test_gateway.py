@@ -273,6 +273,21 @@ def test_check_denies_missing_and_unknown_keys_as_unauthenticated(tmp_path):
     assert unknown not in repr(logs) and KEY_A not in repr(logs)
 
 
+def test_whitespace_around_a_key_is_ignored_on_every_path(tmp_path):
+    """HTTP/1.1 (Envoy's codec) strips it before the gateway sees the header; HTTP/2 (gRPC, JSON
+    over h2) passes it on: one rule for both, the key without its surrounding whitespace."""
+    padded = [f" {KEY_A}", f"{KEY_A} ", f"\t{KEY_A}  ", f"  {KEY_A}\t"]
+    replies, logs = run_checks(
+        tmp_path,
+        [check_request({"x-api-key": key}) for key in padded]
+        + [check_request({"x-api-key": key}, raw=True) for key in padded]
+        + [check_request({"x-api-key": "   "}), check_request({"x-api-key": f"{KEY_A} x"})],
+    )
+    assert [r.status.code for r in replies] == [0] * 8 + [16, 16]
+    assert {r.ok_response.headers[0].header.value for r in replies[:8]} == {"critical"}
+    assert [e["reason"] for e in logs if e["event"] == "denied"] == ["no key", "unknown key"]
+
+
 def test_check_takes_a_bearer_key_and_answers_openai_paths_in_openai_shape(tmp_path):
     chat = "/v1/chat/completions"
     replies, logs = run_checks(

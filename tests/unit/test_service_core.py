@@ -118,8 +118,9 @@ async def scenario() -> None:
     core.on_worker_message("w2", step(("a", 12, 2), ("b", 22, 2)))
     core.on_worker_message("w2", step(("a", 13, 3), ("b", 23, 3)))
     core.on_worker_message("w2", step(("a", 14, 4), ("b", 24, 4)))
-    assert streamed(clients["a"]) == [("token", 14)]
-    assert streamed(clients["b"]) == [("token", 24)]
+    # Between w1 leaving and w2 joining no worker was attached: the clients were told so.
+    assert streamed(clients["a"]) == [("waiting", -1), ("token", 14)]
+    assert streamed(clients["b"]) == [("waiting", -1), ("token", 24)]
     done = worker_pb2.WorkerDone(request_id="a", output_ids=[10, 11, 12, 13, 14])
     core.on_worker_message("w2", message(done=done))
     assert streamed(clients["a"]) == [("done", -1)]

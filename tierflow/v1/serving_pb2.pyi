@@ -1,4 +1,5 @@
 from google.api import annotations_pb2 as _annotations_pb2
+from google.rpc import code_pb2 as _code_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -41,13 +42,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "queued", "progress", "first_token", "token", "done", "waiting")
+    __slots__ = ("request_id", "queued", "progress", "first_token", "token", "done", "error", "waiting")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queued: Queued
@@ -55,8 +57,9 @@ class GenerateEvent(_message.Message):
     first_token: FirstToken
     token: Token
     done: Done
+    error: StreamError
     waiting: Waiting
-    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("tier", "position", "prompt_tokens")
@@ -139,6 +142,14 @@ class Done(_message.Message):
     text: str
     finish_reason: str
     def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: _code_pb2.Code
+    message: str
+    def __init__(self, code: _Optional[_Union[_code_pb2.Code, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GetRequestRequest(_message.Message):
     __slots__ = ("request_id",)

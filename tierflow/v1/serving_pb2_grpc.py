@@ -52,7 +52,11 @@ class TierflowServicer:
     def Generate(self, request, context):
         """Streams the life of one request: Queued, PrefillProgress (per chunk), FirstToken, Token...,
         Done. Errors are gRPC status codes (INVALID_ARGUMENT, UNAUTHENTICATED, RESOURCE_EXHAUSTED,
-        DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED), never a message inside the stream.
+        DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED). A stream that started (sent Queued) always ends
+        with a terminal event: Done, or StreamError (the status's code and message) just before
+        the status itself, so that a JSON client over HTTP/1.1, which sees no trailers, learns
+        how it ended. A stream that breaks off without either lost its connection: the request
+        may still run; send the same request with its request_id again to reattach.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
