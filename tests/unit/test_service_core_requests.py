@@ -100,11 +100,9 @@ def run_to_done(core, worker_id: str, request_id: str, output_ids: list[int]) ->
             )
         ),
     )
-    for token_id in output_ids[1:]:
-        core.on_worker_message(
-            worker_id,
-            from_worker(token=worker_pb2.WorkerToken(request_id=request_id, token_id=token_id)),
-        )
+    for index, token_id in enumerate(output_ids[1:], start=1):
+        token = worker_pb2.WorkerToken(request_id=request_id, token_id=token_id, index=index)
+        core.on_worker_message(worker_id, from_worker(token=token))
     core.on_worker_message(
         worker_id,
         from_worker(done=worker_pb2.WorkerDone(request_id=request_id, output_ids=output_ids)),
