@@ -59,7 +59,7 @@ def test_a_batch_request_that_would_be_shed_is_refused_before_it_is_queued(
             )
             for i in range(2)
         ]
-        with TierflowClient(qs_target, tier="critical") as watcher:
+        with TierflowClient(edge, api_key=DEMO_KEYS["batch"]) as watcher:  # ids are per key
             for i in range(2):  # until the scheduler holds them
                 _wait_scheduled(watcher, f"wait-{i}")
         # gRPC through Envoy: refused with the scheduler's reason, and never queued.
@@ -84,7 +84,7 @@ def test_a_batch_request_that_would_be_shed_is_refused_before_it_is_queued(
         body = reply.read().decode()
         assert reply.status == 429, (reply.status, body)
         assert "overloaded" in body
-        with TierflowClient(qs_target, tier="critical") as watcher:
+        with TierflowClient(edge, api_key=DEMO_KEYS["batch"]) as watcher:  # ids are per key
             for request_id in ("shed-grpc", "shed-json"):
                 try:
                     watcher.status(request_id)
