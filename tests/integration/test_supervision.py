@@ -85,7 +85,7 @@ def test_a_request_with_no_worker_is_told_so_then_ends_unavailable(tmp_path, kaf
         assert health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert health(target, "tierflow.v1.WorkerControl") == health_pb2.HealthCheckResponse.SERVING
         outcome = run_request(target, "critical", "alone", prompt_ids(20, seed=4))
-        assert outcome.kinds == ["queued", "waiting"]
+        assert outcome.kinds == ["queued", "waiting", "error"]  # terminal event, then status
         assert outcome.code is grpc.StatusCode.UNAVAILABLE and "no worker" in outcome.details
         assert outcome.seconds >= 2
     finally:
