@@ -148,11 +148,12 @@ EOF
 
   if [ ! -f "$dir/data/meta.properties" ]; then
     # A KRaft cluster id is 16 random bytes, URL-safe base64 without padding (what
-    # `kafka-storage random-uuid` prints), made here to save a JVM start.
+    # `kafka-storage random-uuid` prints), made here to save a JVM start. Passed as
+    # --cluster-id=ID: one id in 64 starts with "-", which argparse would take for an option.
     local cluster_id
     cluster_id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
     if ! java -Xmx256m -cp "$libs/*" kafka.tools.StorageTool format \
-      -t "$cluster_id" -c "$dir/server.properties" >"$dir/format.log" 2>&1; then
+      --cluster-id="$cluster_id" -c "$dir/server.properties" >"$dir/format.log" 2>&1; then
       cat "$dir/format.log" >&2
       die "formatting the KRaft storage in $dir/data failed"
     fi

@@ -214,6 +214,9 @@ def choose_preemptions(
     seq = {w.worker_id: w.seq for w in workers}
     batched = {w.worker_id: w.batched for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
+    # A batched worker whose KV slots are all held has no room for a new request's state
+    # unless the preempted request gives its own up.
+    full = {w.worker_id: w.batched and not w.has_kv_slot for w in workers}
 
     chosen: list[tuple[Request, Request, bool]] = []
     for req in waiting:
@@ -233,7 +236,7 @@ def choose_preemptions(
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
             # old batch request from evicting a premium one.
             picked = _pick_victim(
-                req, pinned, start - now, busy, victims, suspended, policy, estimator, rules, now
+                req, pinned, start - now, busy, victims, suspended, full, policy, estimator, rules, now
             )
         if picked is None:
             free_at[target] = start + busy  # it would take that worker when it frees
@@ -253,6 +256,7 @@ def _pick_victim(
     busy_s: float,
     victims: Mapping[str, Request],
     suspended: Mapping[str, int],
+    full: Mapping[str, bool],
     policy: SchedulingPolicy,
     estimator: Estimator,
     rules: Rules,
@@ -273,6 +277,10 @@ def _pick_victim(
             # The victim's state stays on its worker; a resumed beneficiary frees one slot.
             held = suspended[worker_id] - (1 if pinned == worker_id else 0)
             drop = held >= rules.max_suspended_per_worker
+            # A new request needs a KV slot: on a full worker, keeping the victim's state would
+            # leave the beneficiary without one, and the freed prefill would go straight back
+            # to the victim (a preempt/resume loop).
+            drop = drop or (full[worker_id] and pinned is None)
         running_left = estimator.prefill_left(running, now)
         outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due, switch_s)
         if policy.should_preempt(req, running, now, outlook):

@@ -116,15 +116,22 @@ def test_a_batched_worker_decodes_requests_together_and_streams_each_token_once(
             TierPolicy("batch", 2, ttft_slo_s=600.0, sheddable=True, tbt_slo_s=5.0),
         ]
     )
-    arrivals = tuple(
-        Arrival(0.01 * i, f"r{i}", ("critical", "standard", "batch")[i % 3], 30 + 23 * i, 24)
-        for i in range(8)
+    # Four short standard prompts arrive together while a long batch prompt prefills: they
+    # wait for it (fifo) or preempt it (flowprefill), and either way find each other waiting
+    # when the prefill frees, so they pack; then a mix of tiers arrives one by one.
+    arrivals = (
+        Arrival(0.0, "r0", "batch", 480, 24),
+        *(Arrival(0.001, f"r{i}", "standard", 30 + 9 * i, 24) for i in range(1, 5)),
+        *(
+            Arrival(0.05 + 0.01 * i, f"r{i}", ("critical", "batch")[i % 2], 40 + 7 * i, 24)
+            for i in range(5, 8)
+        ),
     )
     p = make_policy(policy)
     engine = BatchEngine(
         model,
         EngineConfig(chunk_size=64, check=p.engine_check),
-        BatchConfig(max_batch_size=4, pool_slots=6, slot_tokens=256),
+        BatchConfig(max_batch_size=4, pool_slots=6, slot_tokens=512),
     )
     result = run_policy(
         Scheduler(p, tiers, PrefillTimePredictor()),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from queue_service.scheduler import (
     Assign,
     PauseDecode,
+    Preempt,
     PreemptionAcked,
     PrefillFinished,
     PrefillTimePredictor,
@@ -91,3 +92,19 @@ def test_a_prefill_on_time_leaves_decode_alone_and_fifo_never_pauses():
     assert arrive(fifo, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
     assert first_token(fifo, "x", 0.1) == []
     assert arrive(fifo, "c", "critical", 900, 0.2) == [Assign("c", "w0")]  # at risk, no pause
+
+
+def test_preempting_a_prefill_on_a_full_worker_drops_its_state_to_make_room():
+    # Kept, the victim's state would fill the last slot: the higher tier could not start on
+    # the freed prefill, which would go straight back to the victim (a preempt/resume loop).
+    sched = batched(kv_slots=2)
+    assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    assert arrive(sched, "y", "batch", 800, 0.2) == [Assign("y", "w0")]
+    commands = arrive(sched, "c", "critical", 100, 0.3)
+    assert Preempt("y", "w0", drop_state=True) in commands
+    ack = PreemptionAcked("y", "w0", 100, state_dropped=True)
+    assert Assign("c", "w0") in step(sched, ack, 0.31)
+    assert sched.state_of("y") is RequestState.QUEUED
+    assert first_token(sched, "c", 0.45) == []  # x and c decode: both slots held
+    assert step(sched, RequestDone("x", "w0"), 0.5) == [Assign("y", "w0")]
