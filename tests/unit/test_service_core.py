@@ -81,8 +81,7 @@ def record(request_id: str, prompt_ids, max_new_tokens: int, **kw) -> queue_pb2.
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
         arrival_unix_ms=int(time.time() * 1000),
-        reply_to="qs-test",
-        **kw,
+        **({"reply_to": "qs-test"} | kw),
     )
 
 
