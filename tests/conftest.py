@@ -12,6 +12,14 @@ exactness tests that run under both (``tests.attention.model_with_attention``).
 from __future__ import annotations
 
 import copy
+import os
+
+# Before grpc is imported: the tests start service processes (fork + exec) while other threads
+# may be inside gRPC calls (a client reattaching while a queue service restarts). gRPC's fork
+# support then runs a pre-fork handler that waits for those calls while the forking thread holds
+# the GIL they need: a deadlock. The children exec at once and never use the parent's gRPC, so
+# the support is not needed.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 import torch

@@ -12,44 +12,39 @@ asyncio programs (the OpenAI-compatible service uses it).
 A stream that fails after it started ends with a ``StreamError`` event before its status; both
 clients raise it as the status it announces (``StreamError``, ``grpc.aio.AioRpcError``), so the
 caller sees one error either way, even when a proxy reset the stream before the status.
+
+Both recover by themselves when the queue service dies, restarts or stops under a stream: once
+``Queued`` arrived, a stream that breaks off without a terminal event (or ends UNAVAILABLE) is
+reattached with the request id that ``Queued`` carried, for up to ``reattach_s`` seconds and
+within the call's timeout, and the caller sees one stream (``tierflow.resume`` has the rules).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+import structlog
 
+from tierflow.resume import Resume, StreamError, time_left
 from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
+__all__ = ["AsyncTierflowClient", "Completion", "EventStream", "StreamError", "TierflowClient"]
 
-class StreamError(grpc.RpcError):
-    """A stream's terminal ``error`` event, raised like the gRPC status it announces."""
+log = structlog.get_logger("tierflow.client")
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-def status_code(value: int) -> grpc.StatusCode:
-    """The grpc.StatusCode of a numeric code (``StreamError.code`` of the event)."""
-    return next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
-
-
-def _failure(event: serving_pb2.GenerateEvent) -> tuple[grpc.StatusCode, str] | None:
-    """(code, message) when ``event`` is the terminal error event."""
-    if event.WhichOneof("event") != "error":
-        return None
-    return status_code(event.error.code), event.error.message
+REATTACH_S = 60.0  # how long a client keeps reattaching a stream that broke off
+# A channel whose service went away redials with a backoff that grows to 120 s by default; a
+# reattach wants the service back as soon as it is (a restart takes seconds).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 @dataclass(frozen=True)
@@ -108,14 +103,16 @@ class TierflowClient:
         api_key: str | None = None,
         tier: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        reattach_s: float = REATTACH_S,
     ) -> None:
         self._channel = (
-            grpc.secure_channel(target, credentials)
+            grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
             if credentials is not None
-            else grpc.insecure_channel(target)
+            else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         )
         self._stub = serving_pb2_grpc.TierflowStub(self._channel)
         self._metadata = _metadata(api_key, tier)
+        self._reattach_s = reattach_s
 
     def generate(
         self,
@@ -125,18 +122,27 @@ class TierflowClient:
         **params,
     ) -> Iterator[serving_pb2.GenerateEvent]:
         """Streams the request's events; raises ``grpc.RpcError`` with the status on failure.
-        Closing the iterator early cancels the request. ``params``: see ``generate_request``."""
-        call = self._stub.Generate(
-            generate_request(prompt, **params), metadata=self._metadata, timeout=timeout
-        )
-        try:
-            for event in call:
-                failure = _failure(event)
-                if failure is not None:
-                    raise StreamError(*failure)
-                yield event
-        finally:
-            call.cancel()  # no-op when the stream already ended
+        Closing the iterator early cancels the request. A stream that broke off after Queued is
+        reattached (module docstring). ``params``: see ``generate_request``."""
+        resume = Resume(generate_request(prompt, **params), self._reattach_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            call = self._stub.Generate(
+                resume.request(), metadata=self._metadata, timeout=time_left(deadline)
+            )
+            try:
+                for event in call:
+                    event = resume.accept(event)
+                    if event is not None:
+                        yield event
+                return
+            except grpc.RpcError as exc:
+                if not resume.may_reattach(exc, deadline):
+                    raise
+                _log_reattach(resume, exc)
+            finally:
+                call.cancel()  # no-op when the stream already ended
+            time.sleep(resume.pause())
 
     def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         events = tuple(self.generate(prompt, **kwargs))
@@ -175,10 +181,13 @@ class AsyncTierflowClient:
     """``TierflowClient.generate`` for asyncio. Create it inside the running loop (a grpc.aio
     channel binds to the loop it was created on)."""
 
-    def __init__(self, target: str, *, api_key: str | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self, target: str, *, api_key: str | None = None, reattach_s: float = REATTACH_S
+    ) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = serving_pb2_grpc.TierflowStub(self._channel)
         self._api_key = api_key
+        self._reattach_s = reattach_s
 
     def generate(
         self,
@@ -191,39 +200,59 @@ class AsyncTierflowClient:
     ) -> EventStream:
         """The Generate call: ``await call.read()`` (or ``async for``) gives its events and
         raises ``grpc.aio.AioRpcError`` with the status on failure; ``call.cancel()`` cancels
-        the request. ``tier`` and ``key_id`` are sent as the trusted headers that the edge sets
-        (a caller behind the edge: the request is in that key's scope); ``params``: see
+        the request. A stream that broke off after Queued is reattached (module docstring).
+        ``tier`` and ``key_id`` are sent as the trusted headers that the edge sets (a caller
+        behind the edge: the request is in that key's scope); ``params``: see
         ``generate_request``."""
-        call = self._stub.Generate(
-            generate_request(prompt, **params),
-            metadata=_metadata(self._api_key, tier, key_id),
-            timeout=timeout,
+        metadata = _metadata(self._api_key, tier, key_id)
+        return EventStream(
+            lambda request, left: self._stub.Generate(request, metadata=metadata, timeout=left),
+            Resume(generate_request(prompt, **params), self._reattach_s),
+            None if timeout is None else time.monotonic() + timeout,
         )
-        return EventStream(call)
 
     async def close(self) -> None:
         await self._channel.close()
 
 
 class EventStream:
-    """A Generate call for asyncio: ``read()`` gives the next event or ``grpc.aio.EOF``, and
-    raises ``grpc.aio.AioRpcError`` for the status or the terminal error event."""
+    """A Generate call for asyncio, across its reattaches: ``read()`` gives the next event or
+    ``grpc.aio.EOF``, and raises ``grpc.aio.AioRpcError`` for the status or the terminal error
+    event."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
-        self._call = call
+    def __init__(
+        self,
+        start: Callable[[serving_pb2.GenerateRequest, float | None], grpc.aio.UnaryStreamCall],
+        resume: Resume,
+        deadline: float | None,
+    ) -> None:
+        self._start = start
+        self._resume = resume
+        self._deadline = deadline
+        self._cancelled = False
+        self._call = start(resume.request(), time_left(deadline))
 
     async def read(self) -> serving_pb2.GenerateEvent | object:
-        event = await self._call.read()
-        if event is grpc.aio.EOF:
-            return event
-        failure = _failure(event)
-        if failure is not None:
-            self._call.cancel()
-            code, details = failure
-            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
-        return event
+        while True:
+            try:
+                event = await self._call.read()
+                if event is grpc.aio.EOF:
+                    return event
+                event = self._resume.accept(event)
+                if event is not None:
+                    return event
+            except grpc.RpcError as exc:
+                self._call.cancel()
+                if self._cancelled or not self._resume.may_reattach(exc, self._deadline):
+                    raise _as_aio_error(exc) from None
+                _log_reattach(self._resume, exc)
+                await asyncio.sleep(self._resume.pause())
+                if self._cancelled:
+                    raise asyncio.CancelledError from None
+                self._call = self._start(self._resume.request(), time_left(self._deadline))
 
     def cancel(self) -> bool:
+        self._cancelled = True
         return self._call.cancel()
 
     def __aiter__(self) -> EventStream:
@@ -234,3 +263,19 @@ class EventStream:
         if event is grpc.aio.EOF:
             raise StopAsyncIteration
         return event
+
+
+def _as_aio_error(exc: grpc.RpcError) -> grpc.aio.AioRpcError:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc
+    return grpc.aio.AioRpcError(exc.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), exc.details())
+
+
+def _log_reattach(resume: Resume, exc: grpc.RpcError) -> None:
+    log.warning(
+        "stream broke off; reattaching",
+        request_id=resume.request_id,
+        code=exc.code().name,
+        details=exc.details(),
+        attempt=resume.reattached,
+    )

@@ -236,7 +236,17 @@ def choose_preemptions(
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
             # old batch request from evicting a premium one.
             picked = _pick_victim(
-                req, pinned, start - now, busy, victims, suspended, full, policy, estimator, rules, now
+                req,
+                pinned,
+                start - now,
+                busy,
+                victims,
+                suspended,
+                full,
+                policy,
+                estimator,
+                rules,
+                now,
             )
         if picked is None:
             free_at[target] = start + busy  # it would take that worker when it frees

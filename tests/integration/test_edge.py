@@ -9,8 +9,10 @@ What a client sees from Envoy, each checked below:
   tier over its limit   grpc-status 8 RESOURCE_EXHAUSTED (HTTP 429 for JSON); not forwarded
   tier without a route  grpc-status 7 PERMISSION_DENIED; other paths 12 UNIMPLEMENTED
   gateway down          grpc-status 14 UNAVAILABLE (fail closed)
-  client deadline       grpc-timeout reaches the queue service, which cancels the work
-  JSON POST /v1/generate  newline-delimited JSON events, streamed as they happen
+  client deadline       grpc-timeout reaches the queue service, which cancels the work and
+                        ends the stream (error event, DEADLINE_EXCEEDED) before Envoy's timer
+  JSON POST /v1/generate  newline-delimited JSON events, streamed as they happen; a failure
+                        after the stream started is a last `error` line (HTTP/1.1: no trailers)
 
 Assertions are orderings and generous bounds: CI shares 2 cores with Kafka's JVM.
 """
