@@ -122,6 +122,34 @@ def start_gateway(
     return proc, target
 
 
+def start_edge(
+    tmp: Path,
+    *,
+    queue_service: str,
+    gateway: str,
+    canary: str | None = None,
+    openai_api: str | None = None,
+    rate_limits: dict[str, tuple[int, float]] | None = None,
+) -> tuple[ServiceProcess, int, int]:
+    """The shipped Envoy config in front of these targets, started on free ports: (the Envoy
+    process, its listener port, its admin port)."""
+    from gateway.envoy_config import render_envoy_config
+    from launch.protogen import write_descriptor_set
+
+    port, admin = free_port(), free_port()
+    config = render_envoy_config(
+        listen_port=port,
+        admin_port=admin,
+        queue_service=queue_service,
+        queue_service_canary=canary,
+        gateway=gateway,
+        openai_api=openai_api,
+        descriptor_path=write_descriptor_set(tmp / "tierflow.pb"),
+        rate_limits=rate_limits,
+    )
+    return start_envoy(tmp, config, admin_port=admin), port, admin
+
+
 def start_envoy(
     tmp: Path, config_yaml: str, *, admin_port: int, name: str = "envoy"
 ) -> ServiceProcess:

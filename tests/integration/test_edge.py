@@ -35,13 +35,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.demo_keys import DEMO_KEYS
-from gateway.envoy_config import render_envoy_config
 from gateway.keys import hash_key
 from launch.processes import REPO, ServiceProcess, free_port
-from launch.protogen import write_descriptor_set
 from queue_service.clients.admission import scoped_request_id
 from tests.integration.processes import (
-    start_envoy,
+    start_edge,
     start_gateway,
     start_openai_api,
     start_queue_service,
@@ -160,16 +158,10 @@ def stand_in(tmp_path_factory):
     try:
         gateway, gateway_target = start_gateway(tmp, keys=keys, tiers=tiers)
         started.append(gateway)
-        port, admin = free_port(), free_port()
-        config = render_envoy_config(
-            listen_port=port,
-            admin_port=admin,
-            queue_service=primary.target,
-            queue_service_canary=canary.target,
-            gateway=gateway_target,
-            descriptor_path=write_descriptor_set(tmp / "tierflow.pb"),
+        envoy, port, admin = start_edge(
+            tmp, queue_service=primary.target, gateway=gateway_target, canary=canary.target
         )
-        started.append(start_envoy(tmp, config, admin_port=admin))
+        started.append(envoy)
         yield StandIn(started[-1], f"127.0.0.1:{port}", admin, primary, canary, gateway)
     finally:
         for proc in reversed(started):
@@ -261,16 +253,8 @@ def test_canary_is_off_until_its_runtime_key_is_set(stand_in):
 
 def test_gateway_unreachable_fails_closed(tmp_path):
     upstream = RecordingUpstream("primary")
-    port, admin = free_port(), free_port()
-    config = render_envoy_config(
-        listen_port=port,
-        admin_port=admin,
-        queue_service=upstream.target,
-        queue_service_canary=None,
-        gateway=f"127.0.0.1:{free_port()}",  # nothing listens there
-        descriptor_path=write_descriptor_set(tmp_path / "tierflow.pb"),
-    )
-    envoy = start_envoy(tmp_path, config, admin_port=admin)
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+    envoy, port, _ = start_edge(tmp_path, queue_service=upstream.target, gateway=nowhere)
     try:
         code, _ = status_of(f"127.0.0.1:{port}", [("x-api-key", DEMO_KEYS["critical"])])
         assert code is grpc.StatusCode.UNAVAILABLE
@@ -323,18 +307,13 @@ def edge_stack(
         if openai:
             openai_api, openai_target = start_openai_api(tmp, qs_target, model=model, tiers=tiers)
             started.append(openai_api)
-        port, admin = free_port(), free_port()
-        config = render_envoy_config(
-            listen_port=port,
-            admin_port=admin,
+        envoy, port, _ = start_edge(
+            tmp,
             queue_service=qs_target,
-            queue_service_canary=None,
             gateway=gateway_target,
             openai_api=openai_target,
-            descriptor_path=write_descriptor_set(tmp / "tierflow.pb"),
             rate_limits=rate_limits,
         )
-        envoy = start_envoy(tmp, config, admin_port=admin)
         started.append(envoy)
         yield EdgeStack(qs, worker, gateway, envoy, f"127.0.0.1:{port}", port, openai_api)
     finally:

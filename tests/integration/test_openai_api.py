@@ -34,10 +34,8 @@ import openai
 import pytest
 
 from gateway.demo_keys import DEMO_KEYS
-from gateway.envoy_config import render_envoy_config
 from launch.processes import REPO, free_port
-from launch.protogen import write_descriptor_set
-from tests.integration.processes import start_envoy, start_gateway, start_openai_api
+from tests.integration.processes import start_edge, start_gateway, start_openai_api
 from tests.integration.test_edge import KEYS_FILE, TIERS, demo_scoped, edge_stack
 from tierflow.client import TierflowClient
 from worker.models import load_builtin_tokenizer
@@ -413,17 +411,10 @@ def test_queue_service_down_is_503_with_retry_after(tmp_path):
         started.append(gateway)
         api, api_target = start_openai_api(tmp_path, dead_queue, model=MODEL, tiers=tiers)
         started.append(api)
-        port, admin = free_port(), free_port()
-        config = render_envoy_config(
-            listen_port=port,
-            admin_port=admin,
-            queue_service=dead_queue,
-            queue_service_canary=None,
-            gateway=gateway_target,
-            openai_api=api_target,
-            descriptor_path=write_descriptor_set(tmp_path / "tierflow.pb"),
+        envoy, port, _ = start_edge(
+            tmp_path, queue_service=dead_queue, gateway=gateway_target, openai_api=api_target
         )
-        started.append(start_envoy(tmp_path, config, admin_port=admin))
+        started.append(envoy)
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key=DEMO_KEYS["critical"], max_retries=0
         )

@@ -29,11 +29,9 @@ import grpc
 import pytest
 
 from gateway.demo_keys import DEMO_KEYS
-from gateway.envoy_config import render_envoy_config
 from launch.processes import ServiceProcess, free_port
-from launch.protogen import write_descriptor_set
 from tests.integration.processes import (
-    start_envoy,
+    start_edge,
     start_gateway,
     start_queue_service,
     start_worker,
@@ -110,16 +108,8 @@ def stack(tmp_path_factory, kafka):
         started.append(worker)
         gateway, gateway_target = start_gateway(tmp, keys=KEYS_FILE, tiers=tiers)
         started.append(gateway)
-        port, admin = free_port(), free_port()
-        config = render_envoy_config(
-            listen_port=port,
-            admin_port=admin,
-            queue_service=qs_target,
-            queue_service_canary=None,
-            gateway=gateway_target,
-            descriptor_path=write_descriptor_set(tmp / "tierflow.pb"),
-        )
-        started.append(start_envoy(tmp, config, admin_port=admin))
+        envoy, port, _ = start_edge(tmp, queue_service=qs_target, gateway=gateway_target)
+        started.append(envoy)
         the_stack = Stack(tmp, settings, tiers, queue_port, qs, worker, port)
         yield the_stack
     finally:

@@ -11,11 +11,8 @@ import json
 import grpc
 
 from gateway.demo_keys import DEMO_KEYS
-from gateway.envoy_config import render_envoy_config
-from launch.processes import free_port
-from launch.protogen import write_descriptor_set
 from tests.integration.load import stream_until
-from tests.integration.processes import start_envoy, start_gateway, start_queue_service
+from tests.integration.processes import start_edge, start_gateway, start_queue_service
 from tests.integration.test_edge import KEYS_FILE
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
@@ -35,17 +32,8 @@ def test_a_batch_request_that_would_be_shed_is_refused_before_it_is_queued(
         started.append(qs)
         gateway, gateway_target = start_gateway(tmp_path, keys=KEYS_FILE, tiers=tiers)
         started.append(gateway)
-        port, admin = free_port(), free_port()
-        config = render_envoy_config(
-            listen_port=port,
-            admin_port=admin,
-            queue_service=qs_target,
-            queue_service_canary=None,
-            gateway=gateway_target,
-            openai_api=None,
-            descriptor_path=write_descriptor_set(tmp_path / "tierflow.pb"),
-        )
-        started.append(start_envoy(tmp_path, config, admin_port=admin))
+        envoy, port, _ = start_edge(tmp_path, queue_service=qs_target, gateway=gateway_target)
+        started.append(envoy)
         edge = f"127.0.0.1:{port}"
         # Two batch requests wait (no worker): the shedding limit is reached.
         waiting = [
