@@ -16,7 +16,39 @@ from __future__ import annotations
 import torch
 
 
-class LayerwiseKVCache:
+class LayerwiseAppend:
+    """What every per-request cache here shares: one fill level per layer, and an ``update``
+    that writes a chunk's K/V in place after it and returns views of the layer's filled prefix.
+    A subclass says where a layer's buffers are (``buffers``) and how many positions they hold
+    (``capacity``)."""
+
+    filled: list[int]
+    capacity: int
+
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This request's (keys, values) of one layer, shaped (1, heads, capacity, head_dim)."""
+        raise NotImplementedError
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        **_: object,  # transformers passes its attention kwargs; none matter here
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this chunk's K/V (batch 1) for one layer; return all K/V of that layer so far."""
+        start = self.filled[layer_idx]
+        end = start + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow at layer {layer_idx}: {end} > {self.capacity}")
+        keys, values = self.buffers(layer_idx)
+        keys[:, :, start:end].copy_(key_states)
+        values[:, :, start:end].copy_(value_states)
+        self.filled[layer_idx] = end
+        return keys[:, :, :end], values[:, :, :end]
+
+
+class LayerwiseKVCache(LayerwiseAppend):
     def __init__(
         self,
         *,
@@ -33,22 +65,8 @@ class LayerwiseKVCache:
         self.filled = [0] * num_layers
         self.capacity = capacity
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        **_: object,  # transformers passes its attention kwargs; none matter here
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this chunk's K/V for one layer; return all K/V of that layer so far."""
-        start = self.filled[layer_idx]
-        end = start + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV cache overflow at layer {layer_idx}: {end} > {self.capacity}")
-        self.keys[layer_idx][:, :, start:end].copy_(key_states)
-        self.values[layer_idx][:, :, start:end].copy_(value_states)
-        self.filled[layer_idx] = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]
 
     @property
     def nbytes(self) -> int:

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import torch
 
+from worker.kv_cache import LayerwiseAppend
+
 
 class PoolFullError(RuntimeError):
     """No free slot: the caller must wait for one, pause or drop a request first."""
 
 
-class SlotCache:
+class SlotCache(LayerwiseAppend):
     """One request's slot, written by the attention modules during its own prefill.
 
     Each layer keeps its own fill level (a prefill stopped mid-chunk leaves it uneven), exactly
-    like ``worker.kv_cache.LayerwiseKVCache``, whose interface this shares.
+    like ``worker.kv_cache.LayerwiseKVCache``: both append through ``LayerwiseAppend.update``.
     """
 
     def __init__(self, pool: KVPool, slot: int, owner: str) -> None:
@@ -39,24 +41,9 @@ class SlotCache:
         self.filled = [0] * pool.num_layers
         self.capacity = pool.slot_tokens
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        **_: object,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this chunk's K/V (batch 1) for one layer; return the layer's K/V so far."""
-        start = self.filled[layer_idx]
-        end = start + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"KV slot overflow at layer {layer_idx}: {end} > {self.capacity}")
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+    def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slot
-        keys[s, :, start:end].copy_(key_states[0])
-        values[s, :, start:end].copy_(value_states[0])
-        self.filled[layer_idx] = end
-        return keys[s : s + 1, :, :end], values[s : s + 1, :, :end]
+        return self.pool.keys[layer_idx][s : s + 1], self.pool.values[layer_idx][s : s + 1]
 
     @property
     def nbytes(self) -> int:
