@@ -14,29 +14,23 @@ import time
 from queue_service.core.service_core import ServiceCore, Transport
 from queue_service.scheduler import PrefillTimePredictor, Scheduler, SchedulerConfig
 from tests.tiers import UNIT_TIERS
+from tests.unit.test_service_core_requests import RecordingWorker
 from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2
 
 EOS = 2
 
 
-class RecordedWorker:
+class RecordedWorker(RecordingWorker):
+    """Also keeps the Kafka record of each request it is assigned."""
+
     def __init__(self, core: ServiceCore) -> None:
+        super().__init__()
         self.core = core
         self.assigned: list[queue_pb2.QueuedRequest] = []
-        self.commands: list[tuple[str, str]] = []
 
     def assign(self, request_id: str) -> None:
         self.assigned.append(self.core.record_for(request_id))
-        self.commands.append(("assign", request_id))
-
-    def resume(self, request_id: str) -> None:
-        self.commands.append(("resume", request_id))
-
-    def preempt(self, request_id: str, drop_state: bool) -> None:
-        self.commands.append(("preempt", request_id))
-
-    def cancel(self, request_id: str) -> None:
-        self.commands.append(("cancel", request_id))
+        super().assign(request_id)
 
 
 def make_core() -> tuple[ServiceCore, list]:
