@@ -5,9 +5,13 @@
   and B, with no engine around it, the practical limit of this machine;
 - the time between tokens (TBT) of 8 decoding requests while one long prefill runs: decode
   waits for the whole prefill (``sequential``), gets one step per chunk of C=512 (``chunk``,
-  the chunked-prefill way), or gets a step slotted in at a layer boundary whenever a row would
-  otherwise miss its TBT target (``layer``, ``worker.decode_slotting``);
-- what that costs the prefill: its time with decode slotted in over its time alone.
+  the chunked-prefill way), or gets a step slotted in at a layer boundary (or between a
+  layer's attention and MLP halves) whenever a row would otherwise miss its TBT target
+  (``layer``, ``worker.decode_slotting``). The target is the tightest tier's ``tbt_slo_s``
+  (config/tiers.toml), not a number derived from the engine's layer time;
+- what that costs the prefill: its time with decode slotted in over its time alone, also for
+  a sweep of TBT targets (``layer_sweep``): the slotter trades TBT against prefill time, and
+  the sweep shows the whole trade-off next to the chunked baseline's one point.
 
 All ratios are taken inside one run (machines here are noisy and shared).
 """
@@ -47,9 +51,15 @@ class BatchBenchConfig:
     prefill_chunk: int = 2048  # its C with layer slotting (and alone)
     chunk_baseline: int = 512  # C of the one-step-per-chunk baseline
     decoders: int = 8
-    # The TBT target the layer slotter aims at, in units of (largest layer + one decode step):
-    # a step is slotted in only when waiting one more layer would miss it.
-    tbt_target_factor: float = 1.5
+    # The TBT target the slotter aims at (a step is slotted in only when waiting one more
+    # operator would miss it). None: the tightest tier's ``tbt_slo_s`` in config/tiers.toml, a
+    # product number that does not come from the engine's layer time.
+    tbt_target_s: float | None = None
+    # Slotted at layer boundaries and between the attention and MLP halves ("half"), or at layer
+    # boundaries only ("layer").
+    slot_check: str = "half"
+    # More targets, each a point on the slotter's trade-off: TBT against prefill slowdown.
+    tbt_sweep_s: tuple[float, ...] = (0.3, 0.5, 0.7, 1.0)
     repeats: int = 3  # prefills per TBT mode (samples pooled; prefill times: median)
     seed: int = 0
     device: str | None = None
@@ -57,7 +67,12 @@ class BatchBenchConfig:
     @classmethod
     def quick(cls, **overrides) -> BatchBenchConfig:
         base = dict(
-            context_tokens=256, decode_steps=12, prefill_tokens=2048, prefill_chunk=1024, repeats=1
+            context_tokens=256,
+            decode_steps=12,
+            prefill_tokens=2048,
+            prefill_chunk=1024,
+            repeats=1,
+            tbt_sweep_s=(0.5,),
         )
         return cls(**{**base, **overrides})
 
@@ -204,33 +219,48 @@ def tbt_run(engine: BatchEngine, mode: str, long_ids, decoder_prompts, target_s:
     return intervals, end - start
 
 
-def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> tuple[dict, dict]:
+def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> dict[str, dict]:
+    """Per run (the three modes, then ``layer@<target>`` for each swept target): the decoders'
+    TBT p50 / p99 in ms and the prefill's slowdown (with decode / alone, medians)."""
     vocab = model.config.vocab_size
     long_ids = _ids(rng, cfg.prefill_tokens, vocab)
     decoders = [_ids(rng, cfg.context_tokens, vocab) for _ in range(cfg.decoders)]
-    engines = {
-        "sequential": _prefill_engine(model, cfg, cfg.prefill_chunk, "layer"),
-        "chunk": _prefill_engine(model, cfg, cfg.chunk_baseline, "chunk"),
-        "layer": _prefill_engine(model, cfg, cfg.prefill_chunk, "layer"),
+    slotted = _prefill_engine(model, cfg, cfg.prefill_chunk, cfg.slot_check)
+    runs = {
+        "sequential": (_prefill_engine(model, cfg, cfg.prefill_chunk, "layer"), "sequential"),
+        "chunk": (_prefill_engine(model, cfg, cfg.chunk_baseline, "chunk"), "chunk"),
+        "layer": (slotted, "layer"),
     }
-    intervals: dict[str, list[float]] = {mode: [] for mode in engines}
-    with_decode: dict[str, list[float]] = {mode: [] for mode in engines}
-    alone: dict[str, list[float]] = {mode: [] for mode in engines}
-    for _ in range(cfg.repeats):  # interleaved, so that drift hits every mode alike
-        for mode, engine in engines.items():
-            samples, seconds = tbt_run(engine, mode, long_ids, decoders, target_s)
-            intervals[mode] += samples
-            with_decode[mode].append(seconds)
-            alone[mode].append(tbt_run(engine, mode, long_ids, [], target_s)[1])
-    tbt = {
-        mode: {"p50": percentile(s, 50) * 1000, "p99": percentile(s, 99) * 1000}
-        for mode, s in intervals.items()
+    targets = {name: target_s for name in runs}
+    for swept in cfg.tbt_sweep_s:
+        runs[f"layer@{swept:g}"] = (slotted, "layer")
+        targets[f"layer@{swept:g}"] = swept
+    intervals: dict[str, list[float]] = {name: [] for name in runs}
+    with_decode: dict[str, list[float]] = {name: [] for name in runs}
+    alone: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(cfg.repeats):  # interleaved, so that drift hits every run alike
+        for name, (engine, mode) in runs.items():
+            samples, seconds = tbt_run(engine, mode, long_ids, decoders, targets[name])
+            intervals[name] += samples
+            with_decode[name].append(seconds)
+            alone[name].append(tbt_run(engine, mode, long_ids, [], targets[name])[1])
+    return {
+        name: {
+            "p50": percentile(s, 50) * 1000,
+            "p99": percentile(s, 99) * 1000,
+            "slowdown": statistics.median(with_decode[name]) / statistics.median(alone[name]),
+        }
+        for name, s in intervals.items()
     }
-    slowdown = {
-        mode: statistics.median(with_decode[mode]) / statistics.median(alone[mode])
-        for mode in ("chunk", "layer")
-    }
-    return tbt, slowdown
+
+
+def tightest_tbt_target_s() -> float:
+    from tierflow.tiers import load_tiers
+
+    targets = [t.tbt_slo_s for t in load_tiers() if t.tbt_slo_s is not None]
+    if not targets:
+        raise ValueError("no tier in config/tiers.toml has a tbt_slo_s; pass tbt_target_s")
+    return min(targets)
 
 
 def max_layer_ms(model, cfg: BatchBenchConfig, rng) -> float:
@@ -252,15 +282,21 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
     rng = random.Random(cfg.seed)
     decode, step_ms = decode_throughput(model, cfg, rng)
     layer_ms = max_layer_ms(model, cfg, rng)
-    target_s = cfg.tbt_target_factor * (layer_ms + step_ms) / 1000
-    tbt, slowdown = tbt_during_prefill(model, cfg, rng, target_s)
+    target_s = cfg.tbt_target_s if cfg.tbt_target_s is not None else tightest_tbt_target_s()
+    runs = tbt_during_prefill(model, cfg, rng, target_s)
+    modes = ("sequential", "chunk", "layer")
     return {
         "model": loaded.name,
         "max_layer_ms": layer_ms,
         "decode_step_ms": step_ms,
         "decode": decode,
-        "tbt_during_prefill_ms": tbt,
-        "prefill_slowdown": slowdown,
+        "tbt_target_ms": target_s * 1000,
+        "slot_check": cfg.slot_check,
+        "tbt_during_prefill_ms": {m: {k: runs[m][k] for k in ("p50", "p99")} for m in modes},
+        "prefill_slowdown": {m: runs[m]["slowdown"] for m in ("chunk", "layer")},
+        "layer_sweep": [
+            {"target_ms": target * 1000, **runs[f"layer@{target:g}"]} for target in cfg.tbt_sweep_s
+        ],
     }
 
 
@@ -289,6 +325,25 @@ def render_table(result: dict, console: Console) -> None:
     for mode, row in result["tbt_during_prefill_ms"].items():
         tbt.add_row(mode, f"{row['p50']:.0f}", f"{row['p99']:.0f}")
     console.print(tbt)
+    chunk = result["tbt_during_prefill_ms"]["chunk"]
+    sweep = Table(title="the slotter's trade-off: TBT target against prefill slowdown")
+    for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "prefill slowdown"):
+        sweep.add_column(column, justify="right")
+    sweep.add_row(
+        "chunk (one step per chunk)", "-", f"{chunk['p50']:.0f}", f"{chunk['p99']:.0f}",
+        f"{result['prefill_slowdown']['chunk']:.3f}x",
+    )  # fmt: skip
+    points = [
+        {"target_ms": result["tbt_target_ms"], **result["tbt_during_prefill_ms"]["layer"],
+         "slowdown": result["prefill_slowdown"]["layer"]},
+        *result["layer_sweep"],
+    ]  # fmt: skip
+    for point in sorted(points, key=lambda p: p["target_ms"]):
+        sweep.add_row(
+            f"slotted ({result['slot_check']})", f"{point['target_ms']:.0f}",
+            f"{point['p50']:.0f}", f"{point['p99']:.0f}", f"{point['slowdown']:.3f}x",
+        )  # fmt: skip
+    console.print(sweep)
 
 
 def main(cfg: BatchBenchConfig, json_path: Path | None) -> dict:

@@ -99,8 +99,11 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     result = json.loads(out.read_text())
     assert set(result) == {
         "model", "max_layer_ms", "decode_step_ms", "decode", "tbt_during_prefill_ms",
-        "prefill_slowdown",
+        "prefill_slowdown", "tbt_target_ms", "slot_check", "layer_sweep",
     }  # fmt: skip
+    assert result["tbt_target_ms"] == 400.0  # the tightest tier's tbt_slo_s (critical)
+    assert [p["target_ms"] for p in result["layer_sweep"]] == [500.0]
+    assert all(p["p50"] <= p["p99"] and p["slowdown"] > 0 for p in result["layer_sweep"])
     assert result["model"] == "tiny-llama"
     assert set(result["decode"]) == {"1", "4", "16", "32"}
     for row in result["decode"].values():
