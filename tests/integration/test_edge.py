@@ -38,6 +38,7 @@ from gateway.demo_keys import DEMO_KEYS
 from gateway.keys import hash_key
 from launch.processes import REPO, ServiceProcess, free_port
 from queue_service.clients.admission import scoped_request_id
+from tests.integration.json_http import post_generate
 from tests.integration.processes import (
     start_edge,
     start_gateway,
@@ -384,11 +385,8 @@ class TestTinyStack:
 
 
 def post_json(port: int, key: str | None, body: dict) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn, reply = post_generate(port, key, body, timeout=60)
     try:
-        headers = {"content-type": "application/json"} | ({"x-api-key": key} if key else {})
-        conn.request("POST", "/v1/generate", body=json.dumps(body), headers=headers)
-        reply = conn.getresponse()
         return reply.status, reply.read()
     finally:
         conn.close()
@@ -407,19 +405,12 @@ class TestBenchStack:
     def test_json_generate_streams_events_as_they_happen(self, bench_edge):
         status, body = post_json(bench_edge.port, "tf-unknown-0123456789abcdef", {"text": "hi"})
         assert status == 401 and body == b"unknown API key"
-        conn = http.client.HTTPConnection("127.0.0.1", bench_edge.port, timeout=300)
         body = {
             "token_ids": {"ids": ids(2500, seed=5)},
             "max_new_tokens": 2,
             "request_id": "json-1",
         }
-        conn.request(
-            "POST",
-            "/v1/generate",
-            body=json.dumps(body),
-            headers={"x-api-key": DEMO_KEYS["standard"], "content-type": "application/json"},
-        )
-        reply = conn.getresponse()
+        conn, reply = post_generate(bench_edge.port, DEMO_KEYS["standard"], body, timeout=300)
         assert reply.status == 200 and reply.getheader("content-type") == "application/json"
         first = json.loads(reply.readline())
         # Queued arrived while the prefill was still to run: it was streamed, not buffered.

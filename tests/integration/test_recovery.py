@@ -30,6 +30,7 @@ import pytest
 
 from gateway.demo_keys import DEMO_KEYS
 from launch.processes import ServiceProcess, free_port
+from tests.integration.json_http import post_generate
 from tests.integration.processes import (
     start_edge,
     start_gateway,
@@ -134,15 +135,8 @@ def own_connection() -> list[tuple[str, object]]:
 def json_lines(port: int, key: str, body: dict, lines: list[dict]) -> None:
     """POST /v1/generate over HTTP/1.1, appending each JSON line as it comes, until the stream
     ends or breaks off (the connection closed mid-chunk)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn, reply = post_generate(port, key, body, timeout=300)
     try:
-        conn.request(
-            "POST",
-            "/v1/generate",
-            body=json.dumps(body),
-            headers={"x-api-key": key, "content-type": "application/json"},
-        )
-        reply = conn.getresponse()
         assert reply.status == 200, reply.read()
         with contextlib.suppress(http.client.HTTPException, OSError):
             for line in reply:
@@ -233,15 +227,8 @@ def test_killed_mid_stream_every_client_recovers_and_each_request_runs_once(stac
 
 
 def json_status(stack, body: dict) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", stack.envoy_port, timeout=30)
+    conn, reply = post_generate(stack.envoy_port, DEMO_KEYS["standard"], body, timeout=30)
     try:
-        conn.request(
-            "POST",
-            "/v1/generate",
-            body=json.dumps(body),
-            headers={"x-api-key": DEMO_KEYS["standard"], "content-type": "application/json"},
-        )
-        reply = conn.getresponse()
         reply.read()
         return reply.status
     finally:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from gateway.demo_keys import DEMO_KEYS
+from tests.integration.json_http import post_generate
 from tests.integration.test_edge import edge_stack, ids, kinds
 from tierflow.client import TierflowClient
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
@@ -89,15 +90,8 @@ def curl_http2(stack, key: str, method: str, path: str, body: dict | None = None
 
 
 def post_http1(stack, key: str, body: dict) -> tuple[int, list[dict]]:
-    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
+    conn, reply = post_generate(stack.port, key, body)
     try:
-        conn.request(
-            "POST",
-            "/v1/generate",
-            body=json.dumps(body),
-            headers={"x-api-key": key, "content-type": "application/json"},
-        )
-        reply = conn.getresponse()
         raw = reply.read()
         if reply.status != 200:
             return reply.status, [json.loads(raw or b"{}")]
