@@ -14,7 +14,10 @@ two states:
   half-open state in which a client's request is the trial: a probe is.
 
 A write that started before the breaker last closed and fails after it does not open it again
-(it failed for the outage that is over). The probes run on a thread of their own (``start``);
+(it failed for the outage that is over). Closing first calls ``on_recovered``: the service
+renews its Kafka producer there, because kafka-python's idempotent producer can stay wedged
+after a broker restart (in CI every write then timed out for a minute and more while fresh
+clients were answered at once). The probes run on a thread of their own (``start``);
 ``probe_once`` is the same step, for tests. Thread-safe: writes come from executor threads.
 
 Not a library: ``pybreaker`` holds its lock for the whole protected call, which would serialise
@@ -92,9 +95,11 @@ class KafkaBreaker:
         probe_interval_s: float = 1.0,
         probe_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        on_recovered: Callable[[], None] = lambda: None,
     ) -> None:
         self._reachable = reachable
         self._answers = answers
+        self._on_recovered = on_recovered
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self._clock = clock
@@ -165,6 +170,14 @@ class KafkaBreaker:
         log.error("kafka unavailable: failing requests fast until it answers again", why=why)
 
     def _close(self) -> None:
+        if self._opened_at is None:
+            return
+        # Before writes are let through (they must find what it renews), and outside the lock:
+        # writes meanwhile still fail fast instead of waiting for it.
+        try:
+            self._on_recovered()
+        except Exception:  # the broker answers: accept requests even so
+            log.exception("kafka recovery hook failed")
         with self._lock:
             if self._opened_at is None:
                 return

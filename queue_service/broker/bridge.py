@@ -52,7 +52,9 @@ class KafkaBridge:
         self.request_log = RequestLog(settings)
         self.consumer = PriorityConsumer(settings, tiers)
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
-        self.breaker = KafkaBreaker.for_kafka(settings)
+        self.breaker = KafkaBreaker.for_kafka(
+            settings, on_recovered=self.request_log.renew_producer
+        )
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

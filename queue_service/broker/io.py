@@ -23,6 +23,7 @@ No scheduling decision is made here.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 from collections.abc import Iterable
 
@@ -211,6 +212,25 @@ class RequestLog:
             raise QueueUnavailableError(
                 f"Kafka did not take the record for {topic}: {exc!r}"
             ) from exc
+
+    def renew_producer(self) -> None:
+        """Replace the producer with a fresh one (after an outage: see ``breaker``). Records the
+        old one still holds were never acknowledged, so no client was told they are queued;
+        they are abandoned. Keeps the old producer if a new one cannot be made."""
+        try:
+            fresh = KafkaProducer(**self.settings.producer_config())
+        except KafkaError as exc:
+            log.error("kafka producer not renewed", error=repr(exc))
+            return
+        old, self._producer = self._producer, fresh
+        with contextlib.suppress(KafkaError):
+            old.close(timeout=0)
+        # kafka-python 3.0's close() stops at its flush while records are pending, before it
+        # ends the sender thread; end it here, failing what it still holds at once.
+        sender = getattr(old, "_sender", None)
+        if sender is not None and sender.is_alive():
+            sender.force_close()
+        log.info("kafka producer renewed")
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then close."""

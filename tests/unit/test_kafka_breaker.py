@@ -133,3 +133,24 @@ def test_tcp_reachable_tells_a_listening_port_from_a_closed_one():
         assert tcp_reachable(f"127.0.0.1:{port}", 1.0)
         assert tcp_reachable(f"127.0.0.1:1,127.0.0.1:{port}", 1.0)  # any of them
     assert not tcp_reachable(f"127.0.0.1:{port}", 1.0)
+
+
+def test_recovery_renews_before_writes_are_let_through():
+    broker, clock = Broker(), Clock()
+    seen: list[bool] = []
+    breaker = KafkaBreaker(
+        reachable=broker.reachable,
+        answers=broker.answers,
+        clock=clock,
+        on_recovered=lambda: seen.append(breaker.is_open),
+    )
+    broker.listening = broker.answering = False
+    breaker.probe_once()
+    breaker.probe_once()
+    assert breaker.is_open and seen == []  # not recovered yet
+    broker.listening = broker.answering = True
+    breaker.probe_once()
+    assert seen == [True]  # called once, while writes still failed fast
+    assert not breaker.is_open
+    breaker.probe_once()
+    assert seen == [True]  # closed already: nothing to renew
