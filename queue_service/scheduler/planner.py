@@ -193,24 +193,8 @@ def choose_preemptions(
     """
     if not policy.preempts or not workers:
         return []
-    free_at: dict[str, float] = {}
-    victims: dict[str, Request] = {}
+    free_at, victims = _busy_workers(workers, requests, estimator, rules, now)
     covered = {w.reserved_for for w in workers if w.reserved_for}
-    for worker in workers:
-        active = requests.get(worker.active) if worker.active else None
-        if active is None:
-            free_at[worker.worker_id] = now
-        elif active.state is RequestState.PREEMPTING:
-            # Stopping now; then busy with the request it was preempted for.
-            heir = requests.get(worker.reserved_for) if worker.reserved_for else None
-            busy = estimator.busy_left(heir, now) if heir is not None and heir.waiting else 0.0
-            free_at[worker.worker_id] = now + busy
-        else:
-            # A batched worker's prefill frees when the first token is out; decode is batched.
-            left = estimator.prefill_left if worker.batched else estimator.busy_left
-            free_at[worker.worker_id] = now + left(active, now)
-            if rules.preemptible(active, now):
-                victims[worker.worker_id] = active
     seq = {w.worker_id: w.seq for w in workers}
     batched = {w.worker_id: w.batched for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
@@ -236,18 +220,9 @@ def choose_preemptions(
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
             # old batch request from evicting a premium one.
             picked = _pick_victim(
-                req,
-                pinned,
-                start - now,
-                busy,
-                victims,
-                suspended,
-                full,
-                policy,
-                estimator,
-                rules,
-                now,
-            )
+                req, pinned, start - now, busy, victims, suspended, full,
+                policy, estimator, rules, now,
+            )  # fmt: skip
         if picked is None:
             free_at[target] = start + busy  # it would take that worker when it frees
             continue
@@ -257,6 +232,35 @@ def choose_preemptions(
         del victims[victim.worker_id]
         free_at[victim.worker_id] = now + busy
     return chosen
+
+
+def _busy_workers(
+    workers: Sequence[WorkerSlot],
+    requests: Mapping[str, Request],
+    estimator: Estimator,
+    rules: Rules,
+    now: float,
+) -> tuple[dict[str, float], dict[str, Request]]:
+    """When each worker's prefill frees if nothing is preempted, and the running requests that
+    may be preempted (by worker id)."""
+    free_at: dict[str, float] = {}
+    victims: dict[str, Request] = {}
+    for worker in workers:
+        active = requests.get(worker.active) if worker.active else None
+        if active is None:
+            free_at[worker.worker_id] = now
+        elif active.state is RequestState.PREEMPTING:
+            # Stopping now; then busy with the request it was preempted for.
+            heir = requests.get(worker.reserved_for) if worker.reserved_for else None
+            busy = estimator.busy_left(heir, now) if heir is not None and heir.waiting else 0.0
+            free_at[worker.worker_id] = now + busy
+        else:
+            # A batched worker's prefill frees when the first token is out; decode is batched.
+            left = estimator.prefill_left if worker.batched else estimator.busy_left
+            free_at[worker.worker_id] = now + left(active, now)
+            if rules.preemptible(active, now):
+                victims[worker.worker_id] = active
+    return free_at, victims
 
 
 def _pick_victim(
