@@ -69,6 +69,16 @@ def plain_stream(target: str, *, tier: str | None, api_key: str | None, timeout,
             call.cancel()
 
 
+def record_event(outcome: Outcome, event) -> None:
+    """Add one stream event to ``outcome``: its kind, its token, or the done."""
+    kind = event.WhichOneof("event")
+    outcome.kinds.append(kind)
+    if kind in ("first_token", "token"):
+        outcome.tokens.append(getattr(event, kind).token_id)
+    elif kind == "done":
+        outcome.done = event.done
+
+
 def run_request(
     target: str,
     tier: str,
@@ -85,12 +95,7 @@ def run_request(
             target, tier=tier, api_key=None, timeout=timeout, prompt=prompt,
             request_id=request_id, max_new_tokens=max_new_tokens,
         ):  # fmt: skip
-            kind = event.WhichOneof("event")
-            outcome.kinds.append(kind)
-            if kind in ("first_token", "token"):
-                outcome.tokens.append(getattr(event, kind).token_id)
-            elif kind == "done":
-                outcome.done = event.done
+            record_event(outcome, event)
     except grpc.RpcError as exc:
         outcome.code, outcome.details = exc.code(), exc.details() or ""
     outcome.ended_at = time.monotonic()
@@ -197,12 +202,7 @@ def stream_until(
                 target, tier=tier, api_key=api_key, timeout=timeout, prompt=prompt,
                 request_id=request_id, **params,
             ):  # fmt: skip
-                kind = event.WhichOneof("event")
-                outcome.kinds.append(kind)
-                if kind in ("first_token", "token"):
-                    outcome.tokens.append(getattr(event, kind).token_id)
-                elif kind == "done":
-                    outcome.done = event.done
+                record_event(outcome, event)
                 if until(outcome.kinds):
                     reached.set()
         except grpc.RpcError as exc:
