@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.batch_engine import BatchEngine, StepResult
+from worker.busy_clock import BusyClock
 from worker.decode_slotting import DecodeSlotter
 from worker.engine import RunOutcome, RunStatus
 from worker.events import (
@@ -101,6 +102,7 @@ class BatchRunner:
         self._head: str | None = None  # its first request
         self._signalled_at = 0.0
         self._stopping = False
+        self.busy = BusyClock()
         self._listener = _BatchListener(self)  # it reads self.engine and self._progress
         self._progress: dict[str, _Progress] = {}
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
@@ -331,6 +333,8 @@ class BatchRunner:
         return entry.tbt_slo_s if entry is not None else NO_TARGET
 
     def _on_step(self, result: StepResult) -> None:
+        if not result.slotted:
+            self.busy.add(result.seconds)
         if result.tasks:
             self.emit(
                 DecodeStepDone(
@@ -369,9 +373,11 @@ class BatchRunner:
         started = time.perf_counter()
         for rid in ids:
             self._entries[rid].progress.run_started = started
+        self.busy.start(started)
         self.slotter.prefill_started()
         outcome, error = self._run_engine(pack, tasks[0])
         now = time.perf_counter()
+        self.busy.stop(now)  # the decode steps slotted into this run are inside it
         for rid in ids:
             progress = self._entries[rid].progress
             progress.busy_s += now - progress.run_started

@@ -11,8 +11,9 @@
   per-layer progress reports;
 * ``tierflow_worker_suspended_bytes``: what suspended requests hold on this worker.
 
-Busy time is sampled from the runner (``running_request_id``) by a thread of its own every
-``SAMPLE_S``: nothing is added to the engine's layer loop.
+A thread of its own reads the runner's busy total (``worker.busy_clock``: the runner times every
+run, so a run shorter than the sampling period counts too) and its tables every ``SAMPLE_S``:
+nothing is added to the engine's layer loop.
 """
 
 from __future__ import annotations
@@ -80,28 +81,25 @@ class WorkerMetrics:
     def start_sampling(
         self,
         running: Callable[[], str | None],
+        busy_seconds: Callable[[], float],
         suspended_bytes: Callable[[], int],
         held: Callable[[], int],
         window_s: float = 1.0,
         decoding: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``decoding``: rows of a batched engine's decode batch (they keep it busy too)."""
+        """``busy_seconds``: the runner's engine time so far (``worker.busy_clock``);
+        ``decoding``: rows of a batched engine's decode batch."""
 
         def sample() -> None:
-            busy_window: list[bool] = []
-            size = max(1, round(window_s / SAMPLE_S))
-            last = time.monotonic()
+            readings = [(time.monotonic(), busy_seconds())]  # the last window's (when, busy)
+            size = max(2, round(window_s / SAMPLE_S) + 1)
             while not self._stop.wait(SAMPLE_S):
-                now = time.monotonic()
-                rows = decoding()
-                step = int(running() is not None) + rows
-                busy = step > 0
-                if busy:
-                    self.busy_s.inc(now - last)
-                last = now
-                busy_window = [*busy_window[-(size - 1) :], busy]
-                self.busy_fraction.set(sum(busy_window) / len(busy_window))
-                self.batch_size.set(step)
+                now, busy = time.monotonic(), busy_seconds()
+                self.busy_s.inc(max(0.0, busy - readings[-1][1]))
+                readings = [*readings[-(size - 1) :], (now, max(busy, readings[-1][1]))]
+                (t0, b0), (t1, b1) = readings[0], readings[-1]
+                self.busy_fraction.set(min(1.0, (b1 - b0) / (t1 - t0)) if t1 > t0 else 0.0)
+                self.batch_size.set(int(running() is not None) + decoding())
                 self.held.set(held())
                 # RuntimeError: the engine changed its table mid-read; the next sample reads it.
                 with contextlib.suppress(RuntimeError):

@@ -112,6 +112,7 @@ class WorkerProcess:
         self.runner.start()
         self.metrics.start_sampling(
             lambda: self.runner.running_request_id,
+            self.runner.busy.seconds,
             lambda: self.runner.suspended_bytes,
             lambda: len(self._held),
             decoding=lambda: len(self.engine.rows) if isinstance(self.engine, BatchEngine) else 0,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.busy_clock import BusyClock
 from worker.engine import PrefillEngine, RunOutcome, RunStatus
 from worker.events import (
     Cancelled,
@@ -90,6 +91,7 @@ class EngineRunner:
         self._lock = threading.Lock()
         self._running: str | None = None
         self._signalled_at = 0.0
+        self.busy = BusyClock()
         self._listener = _Listener(self)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -181,6 +183,7 @@ class EngineRunner:
             self._running = request_id
             progress = self._progress[request_id]
         progress.run_started = time.perf_counter()
+        self.busy.start(progress.run_started)
         try:
             outcome = self.engine.run(task, self.channel, self._listener)
         except Exception as exc:  # a model error fails this request, not the worker
@@ -188,6 +191,7 @@ class EngineRunner:
             error = f"{type(exc).__name__}: {exc}"
         now = time.perf_counter()
         progress.busy_s += now - progress.run_started
+        self.busy.stop(now)
         with self._lock:
             self._running = None
             # A cancel that arrived after the engine stopped (for a preemption) but before this
