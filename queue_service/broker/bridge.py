@@ -22,7 +22,12 @@ from collections.abc import Callable
 import structlog
 
 from queue_service.broker.breaker import KafkaBreaker
-from queue_service.broker.io import ReplyConsumer, RequestLog, ensure_topics
+from queue_service.broker.io import (
+    QueueUnavailableError,
+    ReplyConsumer,
+    RequestLog,
+    ensure_topics,
+)
 from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import TierTable
@@ -52,9 +57,8 @@ class KafkaBridge:
         self.request_log = RequestLog(settings)
         self.consumer = PriorityConsumer(settings, tiers)
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
-        self.breaker = KafkaBreaker.for_kafka(
-            settings, on_recovered=self.request_log.renew_producer
-        )
+        self.breaker = KafkaBreaker.for_kafka(settings, on_recovered=self.renew_clients)
+        self._renew_consumer = threading.Event()
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -68,6 +72,8 @@ class KafkaBridge:
         def consume() -> None:
             top_tier = self.tiers.names[0]
             while not self._stop.is_set():
+                if self._renew_consumer.is_set():
+                    self._replace_consumer()
                 room = self.max_live - self.live_count()
                 if room <= 0 and self.consumer.waiting().get(top_tier):
                     room = 1
@@ -88,6 +94,32 @@ class KafkaBridge:
             thread.start()
             self._threads.append(thread)
         self.breaker.start()
+
+    def renew_clients(self) -> None:
+        """Kafka answers again after an outage (the breaker's probe thread). Both clients are
+        renewed: kafka-python's idempotent producer could stay wedged, and its consumer could
+        stay out of the group after the coordinator moved (seen in CI: no partitions assigned
+        for minutes after a broker restart, so nothing was delivered)."""
+        self.request_log.renew_producer()
+        self._renew_consumer.set()
+
+    def _replace_consumer(self) -> None:
+        """On the consumer thread (the consumer is not thread-safe). Nothing is lost: the old
+        consumer commits what is finished if it can, and its uncommitted records (handed out or
+        buffered) are read again by the new one; the service ignores a request id it already
+        runs and marks again one it already finished (``ServiceCore.on_delivered``)."""
+        try:
+            fresh = PriorityConsumer(self.settings, self.tiers)
+        except QueueUnavailableError as exc:
+            log.warning("kafka consumer not renewed yet", error=str(exc))
+            return  # the flag stays set: tried again on the next turn
+        self._renew_consumer.clear()
+        old, self.consumer = self.consumer, fresh
+        try:
+            old.close(timeout=5.0)
+        except Exception:
+            log.exception("closing the old kafka consumer failed")
+        log.info("kafka consumer renewed after an outage")
 
     @property
     def available(self) -> bool:

@@ -14,14 +14,19 @@ earlier can still come.
 
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
+from queue_service.broker.bridge import KafkaBridge
 from queue_service.broker.io import QueueUnavailableError, ReplyConsumer, RequestLog, ensure_topics
 from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
+from tests.tiers import UNIT_TIERS
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import queue_pb2, serving_pb2
 
@@ -238,6 +243,34 @@ def test_only_finished_requests_are_committed_and_a_restart_redelivers_the_rest(
 
     with PriorityConsumer(topics, TIERS) as third:
         assert drain_through_sentinels(third, request_log, ["critical", "standard"]) == []
+
+
+def test_the_bridge_renews_its_consumer_after_an_outage_and_loses_nothing(
+    topics: KafkaSettings, request_log: RequestLog
+) -> None:
+    """What the breaker does when Kafka answers again: the consumer thread swaps in a fresh
+    consumer. A request handed out before the swap is read again (uncommitted; the service
+    ignores the id it already runs), new requests still arrive, and finishing the first
+    delivery after the swap commits it."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    delivered: queue.Queue[DeliveredRequest] = queue.Queue()
+    bridge = KafkaBridge(topics, UNIT_TIERS, "renew", max_live=100, live_count=lambda: 0)
+    bridge.start(loop, lambda record, d: delivered.put(d), lambda reply: None)
+    try:
+        request_log.publish(request("before", "standard"))
+        first = delivered.get(timeout=DEADLINE_S)
+        bridge.renew_clients()
+        assert delivered.get(timeout=DEADLINE_S) == first  # the same record, read again
+        request_log.publish(request("after", "standard"))
+        after = delivered.get(timeout=DEADLINE_S)
+        assert after.request_id == "after" and after.offset == first.offset + 1
+        bridge.finished(first)
+        bridge.finished(after)
+    finally:
+        bridge.stop()
+        loop.call_soon_threadsafe(loop.stop)
+    assert committed(topics, "standard") == after.offset + 1
 
 
 def test_a_request_id_is_handed_out_once(topics: KafkaSettings, request_log: RequestLog) -> None:
