@@ -180,9 +180,11 @@ def _prefill_engine(model, cfg: BatchBenchConfig, chunk: int, check: str) -> Bat
     )
 
 
-def tbt_run(engine: BatchEngine, mode: str, long_ids, decoder_prompts, target_s: float):
+def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, decoder_prompts):
     """One long prefill with ``decoder_prompts`` decoding (none: the prefill alone). Returns
-    the decoders' token intervals that overlap the prefill, and the prefill's wall time."""
+    the decoders' token intervals that overlap the prefill, and the prefill's wall time.
+    ``slotter`` lives as long as its engine, as a worker's does (``worker.batch_runner``): what
+    it learnt of the operator and step times in earlier prefills carries over."""
     token_times: dict[str, list[float]] = {}
 
     def on_step(result) -> None:
@@ -190,7 +192,7 @@ def tbt_run(engine: BatchEngine, mode: str, long_ids, decoder_prompts, target_s:
         for task in result.tasks:
             token_times.setdefault(task.request_id, []).append(now)
 
-    slotter = DecodeSlotter(engine, lambda task: target_s, on_step)
+    slotter.on_step = on_step
     tasks = _decoding(engine, decoder_prompts, 1000)
     for task in tasks:
         slotter.joined(task)
@@ -210,6 +212,8 @@ def tbt_run(engine: BatchEngine, mode: str, long_ids, decoder_prompts, target_s:
     for _ in range(2 if tasks else 0):
         slotter.step()
     _drain(engine, tasks)
+    for task in tasks:
+        slotter.forget(task)
     intervals = [
         b - a
         for times in token_times.values()
@@ -221,7 +225,9 @@ def tbt_run(engine: BatchEngine, mode: str, long_ids, decoder_prompts, target_s:
 
 def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> dict[str, dict]:
     """Per run (the three modes, then ``layer@<target>`` for each swept target): the decoders'
-    TBT p50 / p99 in ms and the prefill's slowdown (with decode / alone, medians)."""
+    TBT p50 / p99 in ms and the prefill's slowdown (with decode / alone, medians). Each run
+    keeps one slotter over its prefills; the prefill alone goes first, so the slotter has seen
+    the operators once before decoders wait on it (a worker's slotter has seen many)."""
     vocab = model.config.vocab_size
     long_ids = _ids(rng, cfg.prefill_tokens, vocab)
     decoders = [_ids(rng, cfg.context_tokens, vocab) for _ in range(cfg.decoders)]
@@ -235,20 +241,25 @@ def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> di
     for swept in cfg.tbt_sweep_s:
         runs[f"layer@{swept:g}"] = (slotted, "layer")
         targets[f"layer@{swept:g}"] = swept
+    slotters = {
+        name: DecodeSlotter(engine, lambda task, t=targets[name]: t)
+        for name, (engine, _) in runs.items()
+    }
     intervals: dict[str, list[float]] = {name: [] for name in runs}
     with_decode: dict[str, list[float]] = {name: [] for name in runs}
     alone: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(cfg.repeats):  # interleaved, so that drift hits every run alike
         for name, (engine, mode) in runs.items():
-            samples, seconds = tbt_run(engine, mode, long_ids, decoders, targets[name])
+            alone[name].append(tbt_run(engine, slotters[name], mode, long_ids, [])[1])
+            samples, seconds = tbt_run(engine, slotters[name], mode, long_ids, decoders)
             intervals[name] += samples
             with_decode[name].append(seconds)
-            alone[name].append(tbt_run(engine, mode, long_ids, [], targets[name])[1])
     return {
         name: {
             "p50": percentile(s, 50) * 1000,
             "p99": percentile(s, 99) * 1000,
             "slowdown": statistics.median(with_decode[name]) / statistics.median(alone[name]),
+            "samples": len(s),
         }
         for name, s in intervals.items()
     }
@@ -292,7 +303,9 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
         "decode": decode,
         "tbt_target_ms": target_s * 1000,
         "slot_check": cfg.slot_check,
-        "tbt_during_prefill_ms": {m: {k: runs[m][k] for k in ("p50", "p99")} for m in modes},
+        "tbt_during_prefill_ms": {
+            m: {k: runs[m][k] for k in ("p50", "p99", "samples")} for m in modes
+        },
         "prefill_slowdown": {m: runs[m]["slowdown"] for m in ("chunk", "layer")},
         "layer_sweep": [
             {"target_ms": target * 1000, **runs[f"layer@{target:g}"]} for target in cfg.tbt_sweep_s
@@ -320,10 +333,10 @@ def render_table(result: dict, console: Console) -> None:
         )  # fmt: skip
     console.print(decode)
     tbt = Table(title="time between tokens of the decoders during a long prefill (ms)")
-    for column in ("decode during prefill", "p50", "p99"):
+    for column in ("decode during prefill", "n", "p50", "p99"):
         tbt.add_column(column, justify="right")
     for mode, row in result["tbt_during_prefill_ms"].items():
-        tbt.add_row(mode, f"{row['p50']:.0f}", f"{row['p99']:.0f}")
+        tbt.add_row(mode, str(row.get("samples", "-")), f"{row['p50']:.0f}", f"{row['p99']:.0f}")
     console.print(tbt)
     chunk = result["tbt_during_prefill_ms"]["chunk"]
     sweep = Table(title="the slotter's trade-off: TBT target against prefill slowdown")

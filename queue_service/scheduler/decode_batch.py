@@ -5,9 +5,12 @@ slotted into the prefill whenever a row would miss its TBT target, so every deco
 the prefill a little. Two pressures, handled with the same limits as prefill preemption (the
 policy must preempt; anti-thrash bound and aging via ``Rules.preemptible``):
 
-- a prefill at risk of missing its TTFT deadline pauses the decode of every lower tier on its
+- a prefill that would miss its TTFT deadline because of the decode steps slotted into it, and
+  would make it without the lower tiers' rows, pauses the decode of every lower tier on its
   worker (their KV stays; the policy's ``drop_state`` decides, as for prefills); they resume
-  when no higher-tier prefill at risk is left there;
+  when no such prefill is left there. A pause that cannot save the deadline (the prefill is
+  late even without those rows, or a row of its own tier or above sets the same slotting) is
+  not made: it would cost the lower tiers their tokens and buy nothing;
 - a waiting request that finds a worker's prefill free but all its KV slots held drops the
   state of one decoding request of a lower tier there (the lowest tier, then the newest), which
   recomputes later without sending any token twice.
@@ -38,11 +41,18 @@ def learn_step(estimate: float, seconds: float) -> float:
 MAX_SLOTTED_SHARE = 0.9
 
 
-def slotting_slowdown(worker: WorkerSlot, requests: Mapping[str, Request]) -> float:
+def slotting_slowdown(
+    worker: WorkerSlot, requests: Mapping[str, Request], up_to_rank: int | None = None
+) -> float:
     """How many times longer a prefill takes on ``worker`` with its decode rows (decoding or
-    paused) slotted into it: one step every TBT target of the tightest of them."""
+    paused; with ``up_to_rank``, only those of that tier rank or more important) slotted into
+    it: one step every TBT target of the tightest of them."""
     rows = (requests[r] for r in (*worker.decoding, *worker.suspended) if r in requests)
-    targets = [r.tier.tbt_slo_s for r in rows if r.prefilled and r.tier.tbt_slo_s]
+    targets = [
+        r.tier.tbt_slo_s
+        for r in rows
+        if r.prefilled and r.tier.tbt_slo_s and (up_to_rank is None or r.tier.rank <= up_to_rank)
+    ]
     if not targets or worker.decode_step_s <= 0:
         return 1.0
     share = min(MAX_SLOTTED_SHARE, worker.decode_step_s / min(targets))
@@ -56,13 +66,21 @@ def at_risk(prefill: Request, estimator: Estimator, now: float, slowdown: float 
     return now + left > prefill.deadline_s
 
 
+NO_RANK = 1 << 30  # no tier's decode yields
+
+
 def _risky_rank(worker: WorkerSlot, requests: Mapping[str, Request], estimator, now) -> int:
-    """The tier rank of the worker's prefill if it is at risk; lower-ranked decode yields."""
+    """The tier rank of the worker's prefill if pausing the lower tiers' decode saves its
+    deadline (at risk with every row slotted in, on time with its own tier's and above's);
+    decode of a lower tier yields to it."""
     active = requests.get(worker.active) if worker.active else None
     if active is None or active.state is not RequestState.RUNNING:
-        return 1 << 30
-    slowdown = slotting_slowdown(worker, requests)
-    return active.tier.rank if at_risk(active, estimator, now, slowdown) else 1 << 30
+        return NO_RANK
+    rank = active.tier.rank
+    if not at_risk(active, estimator, now, slotting_slowdown(worker, requests)):
+        return NO_RANK
+    kept = slotting_slowdown(worker, requests, up_to_rank=rank)
+    return NO_RANK if at_risk(active, estimator, now, kept) else rank
 
 
 def decode_pauses(

@@ -110,6 +110,7 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
         assert set(row) == {"tok_s", "raw_tok_s"} and row["tok_s"] > 0 and row["raw_tok_s"] > 0
     assert set(result["tbt_during_prefill_ms"]) == {"sequential", "chunk", "layer"}
     for row in result["tbt_during_prefill_ms"].values():
-        assert set(row) == {"p50", "p99"} and 0 < row["p50"] <= row["p99"]
+        assert set(row) == {"p50", "p99", "samples"} and 0 < row["p50"] <= row["p99"]
+        assert row["samples"] > 0
     assert set(result["prefill_slowdown"]) == {"chunk", "layer"}
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0

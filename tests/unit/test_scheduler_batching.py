@@ -3,8 +3,11 @@ KV slots bound what a worker holds, and decode yields to higher tiers under pres
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from queue_service.scheduler import (
     Assign,
+    DecodeStepDone,
     PauseDecode,
     Preempt,
     PreemptionAcked,
@@ -19,6 +22,7 @@ from queue_service.scheduler import (
     make_policy,
 )
 from tests.unit.test_scheduler import TIERS, arrive, step
+from tierflow.tiers import TierTable
 
 
 def batched(policy: str = "flowprefill", kv_slots: int = 3) -> Scheduler:
@@ -64,23 +68,60 @@ def test_full_kv_slots_drop_the_newest_lowest_tier_decode_for_a_higher_tier():
     assert sched.counters["decode_drops"] == 1
 
 
-def test_a_prefill_at_risk_pauses_lower_tier_decode_until_its_first_token():
-    sched = batched(kv_slots=4)
+# Every tier decodes with a TBT target, so decode steps are slotted into a running prefill.
+SLOTTED_TIERS = TierTable([replace(t, tbt_slo_s=0.5) for t in TIERS])
+
+
+def slotting(kv_slots: int = 4, step_s: float = 0.25) -> Scheduler:
+    """A flowprefill scheduler whose worker has learnt a decode step of ``step_s``: with the
+    0.5 s TBT targets a prefill runs 1 / (1 - step_s / 0.5) times slower while rows decode."""
+    sched = Scheduler(
+        make_policy("flowprefill"),
+        SLOTTED_TIERS,
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),  # 1000 tokens = 1 s
+        SchedulerConfig(refit_predictor=False, decode_s_per_token=0.05),
+    )
+    assert step(sched, WorkerJoined("w0", kv_slots=kv_slots), 0.0) == []
+    assert step(sched, DecodeStepDone("w0", rows=2, seconds=step_s), 0.0) == []
+    return sched
+
+
+def lower_tiers_decoding(sched) -> None:
     assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
     assert first_token(sched, "x", 0.1) == []
     assert arrive(sched, "s", "standard", 100, 0.15, new_tokens=300) == [Assign("s", "w0")]
     assert first_token(sched, "s", 0.2) == []
-    # 900 tokens = 0.9 s + the margin: past the critical SLO of 1 s: at risk from the start.
-    commands = arrive(sched, "c", "critical", 900, 0.3)
+
+
+def test_a_prefill_that_slotted_decode_would_make_late_pauses_lower_tiers_until_its_first_token():
+    sched = slotting()
+    lower_tiers_decoding(sched)
+    # 450 tokens: 0.45 s x 1.2 (the error margin) = 0.54 s alone, on time for the 1 s SLO;
+    # twice that with decode slotted in: late. Pausing the lower tiers saves it.
+    commands = arrive(sched, "c", "critical", 450, 0.3)
     assert commands[0] == Assign("c", "w0")
     assert set(commands[1:]) == {PauseDecode("x", "w0", False), PauseDecode("s", "w0", False)}
     assert step(sched, PreemptionAcked("x", "w0", 100, False), 0.31) == []
     assert step(sched, PreemptionAcked("s", "w0", 100, False), 0.32) == []
     assert sched.suspended()["w0"] == ("x", "s")
-    resumed = first_token(sched, "c", 1.2, tokens=900)
+    resumed = first_token(sched, "c", 0.8, tokens=450)
     assert set(resumed) == {Resume("x", "w0"), Resume("s", "w0")}
     assert sched.state_of("x") is RequestState.DECODING
     assert sched.counters["decode_pauses"] == 2 and sched.counters["decode_resumes"] == 2
+
+
+def test_a_pause_that_cannot_save_the_deadline_is_not_made():
+    # Late even alone (900 tokens: 1.08 s with the margin): pausing buys nothing.
+    sched = slotting()
+    lower_tiers_decoding(sched)
+    assert arrive(sched, "c", "critical", 900, 0.3) == [Assign("c", "w0")]
+    # A critical row decodes too: its own slotted steps slow the prefill as much as before.
+    sched = slotting()
+    assert arrive(sched, "k", "critical", 100, 0.0, new_tokens=300) == [Assign("k", "w0")]
+    assert first_token(sched, "k", 0.1) == []
+    lower_tiers_decoding(sched)
+    assert arrive(sched, "c", "critical", 450, 0.3) == [Assign("c", "w0")]
+    assert sched.counters.get("decode_pauses", 0) == 0
 
 
 def test_a_prefill_on_time_leaves_decode_alone_and_fifo_never_pauses():
