@@ -11,9 +11,13 @@ commands:
 - ``assign_packed`` prefills several short prompts in one forward (``worker.packed_prefill``);
   the pack is one unit of work: a preempt or resume naming any member applies to all of it,
   and each member gets its own events;
-- between two prefill runs, and whenever no prefill waits, the batch takes one decode step;
-  inside a long prefill the ``DecodeSlotter`` slots a step in at a layer boundary whenever a
-  row would otherwise miss its tier's TBT target (``tbt_slo_s``, passed with the request).
+- whenever no prefill waits, the batch takes one decode step after another; while prefills
+  wait, it steps only when a row is due: before a prefill starts and inside it, the
+  ``DecodeSlotter`` slots a step in (at a layer boundary) whenever a row would otherwise miss
+  its tier's TBT target (``tbt_slo_s``, passed with the request; a row without one gets a step
+  between every two prefill runs). Fewer, fuller steps: a step
+  of several rows costs far less than as many steps of one. After a preemption the engine waits for
+  the next command (the beneficiary's assignment) while the rows can spare it;
   A step is reported as one ``DecodeStepDone`` carrying every row's token;
 - ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
   counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
@@ -56,6 +60,9 @@ from worker.runner import _Listener, _Progress
 from worker.task import Phase, Task
 
 NO_TARGET = float("inf")
+# The longest the engine keeps itself free, after a preemption, for the assignment that follows
+# (a round trip to the queue service); rows that are due sooner get their step first.
+PREEMPTED_WAIT_S = 0.05
 
 
 @dataclass
@@ -173,22 +180,51 @@ class BatchRunner:
     # ------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
+        wait_s = 0.0
         while True:
             busy = bool(self._prefills or self.engine.rows)
-            if not self._apply_commands(block=not busy):
+            if not self._apply_commands(block=not busy, timeout=wait_s):
                 return
+            wait_s = 0.0
             if self._prefills:
-                self._run_work(self._prefills.pop(0))
+                if self._run_work(self._prefills.pop(0)):
+                    wait_s = self._decode_slack()
                 self._admit_rows()
-            if self.engine.rows and not self._stopping:
+            if not wait_s and self._step_before_next_prefill():
                 self.slotter.step()
                 self._admit_rows()
 
-    def _apply_commands(self, *, block: bool) -> bool:
-        """Apply queued commands; False when the runner is stopping."""
+    def _step_before_next_prefill(self) -> bool:
+        """Always when no prefill waits. While prefills wait, the slotter steps rows when they
+        are due; only a row without a TBT target (nothing would ever make it due) gets a step
+        between every two prefill runs."""
+        if not self.engine.rows or self._stopping:
+            return False
+        if not self._prefills:
+            return True
+        return any(self._tbt_target(task) == NO_TARGET for task in self.engine.rows)
+
+    def _decode_slack(self) -> float:
+        """After a preemption: how long the batch can wait for the next command without a row
+        missing its TBT target. A preemption is made for another request's prefill, whose
+        assignment follows the acknowledgement; a decode step started meanwhile would hold it
+        up (a step is not preemptible). At most ``PREEMPTED_WAIT_S``."""
+        if not self.engine.rows:
+            return 0.0
+        slack = self.slotter.deadline() - time.perf_counter() - self.slotter.step_s
+        return max(0.0, min(PREEMPTED_WAIT_S, slack))
+
+    def _apply_commands(self, *, block: bool, timeout: float = 0.0) -> bool:
+        """Apply queued commands (waiting up to ``timeout`` for the first); False when the
+        runner is stopping."""
         while True:
             try:
-                item = self._commands.get(block=block)
+                if block:
+                    item = self._commands.get()
+                elif timeout > 0:
+                    item = self._commands.get(timeout=timeout)
+                else:
+                    item = self._commands.get_nowait()
             except queue.Empty:
                 return True
             if item is None:
@@ -196,7 +232,7 @@ class BatchRunner:
                 return False
             kind, arg = item
             getattr(self, f"_on_{kind}")(arg)
-            block = False
+            block, timeout = False, 0.0
 
     def _on_assign(self, arg) -> None:
         request, target = arg
@@ -361,11 +397,13 @@ class BatchRunner:
 
     # ------------------------------------------------------------ one prefill run
 
-    def _run_work(self, work: Work) -> None:
+    def _run_work(self, work: Work) -> bool:
+        """One prefill run of ``work``; True when a preemption stopped it (or paused what it
+        prefilled)."""
         pack = work if isinstance(work, PackedPrefill) else None
         tasks = self._live(pack.tasks) if pack is not None else self._live_one(work)
         if not tasks:
-            return
+            return False
         ids = [t.request_id for t in tasks]
         recompute = pack is None and bool(tasks[0].output_ids)  # a dropped decode, again
         with self._lock:
@@ -389,7 +427,7 @@ class BatchRunner:
         if signal is Signal.CANCEL and stopped:
             for rid in ids:
                 self._on_cancel(rid)
-            return
+            return False
         for task in self._live(tasks):
             self._report(task, pack, outcome, error, now, recompute)
         if signal in (Signal.PREEMPT, Signal.PREEMPT_DROP) and outcome is not None and not stopped:
@@ -400,6 +438,8 @@ class BatchRunner:
             for task in self._live(tasks):
                 if task.phase is Phase.DECODE:
                     self._on_pause((task.request_id, drop))
+            return True
+        return stopped
 
     def _live_one(self, rid: str) -> list[Task]:
         entry = self._entries.get(rid)

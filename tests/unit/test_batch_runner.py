@@ -255,3 +255,34 @@ def test_a_preempt_of_a_prefill_still_queued_is_acknowledged(tiny_llama):
     finally:
         runner.stop()
     assert collect_tokens(seen)["q"] == reference(model, ids, 5)[0] == list(done.output_ids)
+
+
+@pytest.mark.parametrize(
+    ("tbt_slo_s", "steps_between_prefills"),
+    [(3600.0, False), (1e-9, True), (None, True)],
+    ids=["rows-not-due", "rows-always-due", "rows-without-target"],
+)
+def test_while_prefills_wait_the_batch_steps_only_for_rows_that_are_due(
+    tiny_llama, tbt_slo_s, steps_between_prefills
+):
+    """Fewer, fuller steps: a row whose TBT target is far off waits for the queued prefills
+    (the slotter would step it when due); one without a target steps between every two."""
+    stream = Stream()
+    engine = BatchEngine(
+        tiny_llama.model,
+        EngineConfig(chunk_size=16, check="layer"),
+        BatchConfig(max_batch_size=4, pool_slots=6, slot_tokens=160),
+    )
+    runner = stream.runner = BatchRunner(engine, stream)
+    names = ["d", "p1", "p2", "p3"]
+    for i, name in enumerate(names):  # all queued before the engine thread starts
+        runner.assign(greedy(name, prompt(20 + i, 500, seed=i), 8), tbt_slo_s=tbt_slo_s)
+    runner.start()
+    try:
+        events = drain(stream, names)
+    finally:
+        runner.stop()
+    firsts = [i for i, e in enumerate(events) if isinstance(e, FirstToken)]
+    assert [events[i].request_id for i in firsts] == names  # prefilled in order
+    between = events[firsts[0] : firsts[-1]]
+    assert any(isinstance(e, DecodeStepDone) for e in between) is steps_between_prefills
