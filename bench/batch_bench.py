@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from bench.engine_bench import LayerTimer
 from bench.metrics import percentile
-from bench.report import write_json
+from bench.report import mark_smoke, write_json
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig
 from worker.decode_slotting import DecodeSlotter
@@ -63,6 +63,7 @@ class BatchBenchConfig:
     repeats: int = 3  # prefills per TBT mode (samples pooled; prefill times: median)
     seed: int = 0
     device: str | None = None
+    smoke: bool = False  # a quick run: said in the output and the JSON
 
     @classmethod
     def quick(cls, **overrides) -> BatchBenchConfig:
@@ -73,6 +74,7 @@ class BatchBenchConfig:
             prefill_chunk=1024,
             repeats=1,
             tbt_sweep_s=(0.5,),
+            smoke=True,
         )
         return cls(**{**base, **overrides})
 
@@ -364,5 +366,7 @@ def main(cfg: BatchBenchConfig, json_path: Path | None) -> dict:
     with console.status(f"engine-bench --batch {cfg.model}"):
         result = run_batch_bench(cfg)
     render_table(result, console)
+    if cfg.smoke:
+        mark_smoke(result, console)
     write_json(result, json_path, console)
     return result

@@ -29,7 +29,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench.metrics import percentile
-from bench.report import write_json
+from bench.report import mark_smoke, write_json
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
@@ -46,6 +46,7 @@ class EngineBenchConfig:
     latency_samples: int = 20  # per check granularity
     seed: int = 0
     device: str | None = None
+    smoke: bool = False  # a quick run: said in the output and the JSON
 
     @classmethod
     def quick(cls, **overrides) -> EngineBenchConfig:
@@ -55,6 +56,7 @@ class EngineBenchConfig:
             chunk_sizes=(256, 1024),
             repeats=1,
             latency_samples=8,
+            smoke=True,
         )
         return cls(**{**base, **overrides})
 
@@ -356,6 +358,8 @@ def main(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None) 
     console = Console()
     result = run_engine_bench(cfg, console)
     render_table(result, console)
+    if cfg.smoke:
+        mark_smoke(result, console)
     write_json(result, json_path, console)
     if png_path:
         plot(result, png_path)

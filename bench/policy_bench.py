@@ -27,6 +27,7 @@ from bench.calibrate import DEFAULT_LENGTHS, calibrate
 from bench.harness import run_policy
 from bench.metrics import meets_slos, summarise
 from bench.report import (
+    mark_smoke,
     plot_sweep,
     plot_ttft_cdfs,
     render_comparison,
@@ -74,10 +75,11 @@ class PolicyBenchConfig:
     kv_slots: int = 0
     max_batch_size: int = BatchConfig.max_batch_size
     max_new_tokens: int = 1
+    smoke: bool = False  # a quick run: said in the output and the JSON
 
     @classmethod
     def quick(cls, **overrides) -> PolicyBenchConfig:
-        return cls(**{"duration_s": 15.0, "sweep_duration_s": 10.0, **overrides})
+        return cls(**{"duration_s": 15.0, "sweep_duration_s": 10.0, "smoke": True, **overrides})
 
 
 def engine_for_policy(policy_name: str, cfg: PolicyBenchConfig) -> EngineConfig:
@@ -238,6 +240,8 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     result = run_policy_bench(cfg, console)
     render_policy_tables(result, console)
     render_comparison(result, console)
+    if cfg.smoke:
+        mark_smoke(result, console)
     write_json(result, json_path, console)
     if png_path:
         plot_ttft_cdfs(result, png_path)

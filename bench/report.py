@@ -17,6 +17,18 @@ POLICY_COLOURS = {
 }
 
 
+SMOKE_NOTE = (
+    "QUICK RUN: a smoke test of the command, with too few samples to compare policies or "
+    "engines; every number in the README and docs/results.md comes from a full run"
+)
+
+
+def mark_smoke(result: dict, console: Console) -> None:
+    """Quick runs are for smoke tests only: said in the output and in the JSON."""
+    result["smoke_test_only"] = True
+    console.print(f"[bold red]{SMOKE_NOTE}[/]")
+
+
 def write_json(result: dict, path: Path | None, console: Console) -> None:
     if path is None:
         return

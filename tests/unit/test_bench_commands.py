@@ -29,6 +29,7 @@ def test_engine_bench_writes_json_and_png(tmp_path):
     ]
     assert main(args) == 0
     result = json.loads(out.read_text())
+    assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert result["model"] == "tiny-llama" and result["layers"] == 4
     assert 0 < result["layer_time_ms"]["mean"] <= result["layer_time_ms"]["max"]
     assert set(result["chunk_cost"]) == {"256", "1024"}
@@ -57,6 +58,7 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
     ]
     assert main(args) == 0
     result = json.loads(out.read_text())
+    assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
     ns = set()
     for name, p in result["policies"].items():
@@ -79,6 +81,7 @@ def test_policy_bench_with_batched_workers_reports_tbt_and_decode(tmp_path):
     args += ["--kv-slots", "6", "--max-new-tokens", "12", "--json", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
+    assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
     for name, p in result["policies"].items():
         assert p["lost"] == 0 and p["engine"]["kv_slots"] == 6, name
@@ -97,6 +100,7 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     args = ["engine-bench", "--batch", "--model", "tiny-llama", "--quick"]
     assert main([*args, "--prompt-tokens", "600", "--chunk-size", "300", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result) == {
         "model", "max_layer_ms", "decode_step_ms", "decode", "tbt_during_prefill_ms",
         "prefill_slowdown", "tbt_target_ms", "slot_check", "layer_sweep",
