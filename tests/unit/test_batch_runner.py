@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import queue
+from types import SimpleNamespace
 
 import pytest
 
 from tests.unit.test_batch_engine import prompt, reference
 from worker.batch_engine import BatchEngine
-from worker.batch_runner import BatchRunner
+from worker.batch_runner import PREEMPTED_WAIT_S, BatchRunner
 from worker.config import BatchConfig, EngineConfig
 from worker.events import (
     Cancelled,
@@ -286,3 +287,20 @@ def test_while_prefills_wait_the_batch_steps_only_for_rows_that_are_due(
     assert [events[i].request_id for i in firsts] == names  # prefilled in order
     between = events[firsts[0] : firsts[-1]]
     assert any(isinstance(e, DecodeStepDone) for e in between) is steps_between_prefills
+
+
+def test_after_a_preemption_the_engine_waits_for_the_next_command_only_while_rows_can_spare_it():
+    """The wait is bounded by PREEMPTED_WAIT_S and by the earliest row's TBT deadline less a
+    step (a row that is due gets its step first); with no rows there is nothing to wait for."""
+    engine = SimpleNamespace(rows=[])
+    runner = BatchRunner(engine, lambda event: None)  # not started: only its arithmetic
+    assert runner._decode_slack() == 0.0
+    row = SimpleNamespace(request_id="r")
+    engine.rows = [row]
+    runner.slotter.joined(row)
+    runner.slotter.tbt_target_s = lambda task: 10.0
+    assert runner._decode_slack() == PREEMPTED_WAIT_S
+    runner.slotter.step_s = 9.99  # its next step must start within about 10 ms
+    assert runner._decode_slack() <= 0.01
+    runner.slotter.tbt_target_s = lambda task: 0.001  # already due
+    assert runner._decode_slack() == 0.0
