@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -91,14 +92,16 @@ class WorkerMetrics:
         ``decoding``: rows of a batched engine's decode batch."""
 
         def sample() -> None:
-            readings = [(time.monotonic(), busy_seconds())]  # the last window's (when, busy)
-            size = max(2, round(window_s / SAMPLE_S) + 1)
+            # (when, busy seconds) over the last window, oldest first.
+            span = max(2, round(window_s / SAMPLE_S) + 1)
+            readings = deque([(time.monotonic(), busy_seconds())], maxlen=span)
             while not self._stop.wait(SAMPLE_S):
-                now, busy = time.monotonic(), busy_seconds()
-                self.busy_s.inc(max(0.0, busy - readings[-1][1]))
-                readings = [*readings[-(size - 1) :], (now, max(busy, readings[-1][1]))]
+                last_busy = readings[-1][1]
+                busy = max(busy_seconds(), last_busy)  # a counter never goes back
+                self.busy_s.inc(busy - last_busy)
+                readings.append((time.monotonic(), busy))
                 (t0, b0), (t1, b1) = readings[0], readings[-1]
-                self.busy_fraction.set(min(1.0, (b1 - b0) / (t1 - t0)) if t1 > t0 else 0.0)
+                self.busy_fraction.set(min(1.0, (b1 - b0) / (t1 - t0)))
                 self.batch_size.set(int(running() is not None) + decoding())
                 self.held.set(held())
                 # RuntimeError: the engine changed its table mid-read; the next sample reads it.
