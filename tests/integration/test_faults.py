@@ -26,6 +26,7 @@ from tests.integration.load import (
 from tests.integration.processes import start_queue_service, start_worker
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.kafka_settings import KafkaSettings
+from tierflow.tiers import loads_tiers
 
 
 @pytest.fixture
@@ -221,9 +222,15 @@ def test_the_queue_service_killed_with_a_backlog_runs_critical_first_after_resta
     ]
     for _, queued in streams:
         assert queued.wait(60)
+    queued_at = time.monotonic()
     qs.kill()  # SIGKILL, with the backlog in Kafka; no client sends anything again
     assert all(future.result(timeout=60).done is None for future, _ in streams)
     _, target = queue_service()
+    # Every request late when the worker comes: the order is then the late rule's (a late
+    # request is re-deadlined one SLO of its tier from now), not a race with the standard
+    # request's own deadline (on time, EDF may rightly put it before a late critical one).
+    standard_slo_s = loads_tiers(SERVICE_TIERS_TOML).get("standard").ttft_slo_s
+    time.sleep(max(0.0, queued_at + standard_slo_s + 0.5 - time.monotonic()))
     worker = start_worker(tmp_path, target, "w1", model="tiny-llama", chunk_size=32)
     started.append(worker)
     deadline = time.monotonic() + 120
