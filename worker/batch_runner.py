@@ -15,9 +15,9 @@ commands:
   wait, it steps only when a row is due: before a prefill starts and inside it, the
   ``DecodeSlotter`` slots a step in (at a layer boundary) whenever a row would otherwise miss
   its tier's TBT target (``tbt_slo_s``, passed with the request; a row without one gets a step
-  between every two prefill runs). Fewer, fuller steps: a step
-  of several rows costs far less than as many steps of one. After a preemption the engine waits for
-  the next command (the beneficiary's assignment) while the rows can spare it;
+  between every two prefill runs). Fewer, fuller steps: a step of several rows costs far less
+  than as many steps of one. After a preemption the engine waits for the next command (the
+  beneficiary's assignment) while the rows can spare it;
   A step is reported as one ``DecodeStepDone`` carrying every row's token;
 - ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
   counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
