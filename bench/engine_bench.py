@@ -5,11 +5,14 @@ Measured on the machine it runs on, as ratios inside the run (machines here are 
 - whole-prefill time for several chunk sizes C against the whole-prompt time (the efficiency
   cost of small chunks, the price chunked prefill pays for responsiveness);
 - the overhead of the preemption checks: the cost of one check times the checks per prefill,
-  over the prefill time, and an A/B of check="layer" against check="none";
+  over the prefill time, and an end-to-end A/B of check="layer" against check="none", repeated
+  in pairs until the 95% interval of the difference is narrower than +-0.5% (or said to be not
+  measurable above noise when it is not, after ``ab_max_pairs``);
 - preemption latency (flag raised on another thread -> the engine has returned) when checking
-  at layer boundaries versus only at chunk boundaries, at the same C. A flag raised during the
-  last chunk of a chunk-only run is honoured only when prefill ends: that is the wait a
-  premium request would see, so it counts.
+  at layer boundaries versus only at chunk boundaries, at the chunked baseline's C=512 and at
+  C=2048. The flag is raised at a uniformly random time over the whole prefill, so the
+  chunk-boundary tail is a chunk's time; a flag raised during the last chunk of a chunk-only run
+  is honoured only when prefill ends: that is the wait a premium request would see, so it counts.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from bench.metrics import percentile
+from bench.metrics import mean_interval, percentile
 from bench.report import mark_smoke, write_json
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
@@ -40,10 +43,17 @@ from worker.runner import EngineRunner
 class EngineBenchConfig:
     model: str = "bench-llama"
     prompt_tokens: int = 4096
-    chunk_size: int = EngineConfig.chunk_size  # the C of the layer-vs-chunk latency comparison
+    chunk_size: int = EngineConfig.chunk_size  # the C of the layer times and the check A/B
     chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    # The Cs of the layer-vs-chunk latency comparison: the chunked baseline's, and a large one.
+    latency_chunk_sizes: tuple[int, ...] = (512, 2048)
     repeats: int = 3  # timed prefills per configuration (median is reported)
-    latency_samples: int = 20  # per check granularity
+    latency_samples: int = 20  # per check granularity and C
+    # The check A/B: pairs of prefills (layer, none) until the 95% interval of the mean
+    # difference is narrower than +-ab_target_pct, at least ab_min_pairs, at most ab_max_pairs.
+    ab_target_pct: float = 0.5
+    ab_min_pairs: int = 6
+    ab_max_pairs: int = 40
     seed: int = 0
     device: str | None = None
     smoke: bool = False  # a quick run: said in the output and the JSON
@@ -54,8 +64,11 @@ class EngineBenchConfig:
             prompt_tokens=2048,
             chunk_size=1024,
             chunk_sizes=(256, 1024),
+            latency_chunk_sizes=(1024,),
             repeats=1,
             latency_samples=8,
+            ab_min_pairs=2,
+            ab_max_pairs=2,
             smoke=True,
         )
         return cls(**{**base, **overrides})
@@ -154,16 +167,16 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
     model = loaded.model
     rng = random.Random(cfg.seed)
     ids = tuple(rng.randrange(3, model.config.vocab_size) for _ in range(cfg.prompt_tokens))
+    sizes = _measured_chunk_sizes(cfg)
     engine_for = {
         (c, check): PrefillEngine(model, EngineConfig(chunk_size=c, check=check))
-        for c in (*cfg.chunk_sizes, cfg.chunk_size, None)
+        for c in (*sizes, cfg.chunk_size, None)
         for check in ("layer", "chunk", "none")
     }
-    n_prefills = 1 + (len(cfg.chunk_sizes) + 1) * cfg.repeats + 2 * cfg.repeats
+    n_prefills = 1 + (len(sizes) + 1) * cfg.repeats + 2 * cfg.ab_min_pairs
+    n_latency = 2 * len(cfg.latency_chunk_sizes) * cfg.latency_samples
     with Progress(console=console, transient=True) as progress:
-        bar = progress.add_task(
-            f"engine-bench {loaded.name}", total=n_prefills + 2 * cfg.latency_samples
-        )
+        bar = progress.add_task(f"engine-bench {loaded.name}", total=n_prefills + n_latency)
 
         def advance() -> None:
             progress.advance(bar)
@@ -171,14 +184,17 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
         timed_prefill(engine_for[(None, "layer")], ids[:256])  # warm-up: allocations, kernels
         layer_times = _layer_times(engine_for[(cfg.chunk_size, "layer")], ids)
         advance()
-        whole_time, chunk_cost = _chunk_cost(engine_for, cfg, ids, advance)
+        whole_time, prefill_s = _prefill_times(engine_for, cfg, ids, advance)
         overhead = _check_overhead(engine_for, cfg, ids, len(model.model.layers), advance)
         report_s = per_progress_report_seconds(engine_for[(cfg.chunk_size, "layer")], ids)
         latency = {
-            check: _preemption_latencies(
-                engine_for[(cfg.chunk_size, check)], cfg, ids, overhead["prefill_s"], rng, advance
-            )
-            for check in ("layer", "chunk")
+            str(c): {
+                check: _preemption_latencies(
+                    engine_for[(c, check)], cfg, ids, prefill_s[c], rng, advance
+                )
+                for check in ("layer", "chunk")
+            }
+            for c in cfg.latency_chunk_sizes
         }
     return {
         "model": loaded.name,
@@ -193,16 +209,21 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
             "n": len(layer_times),
         },
         "whole_prompt_prefill_ms": whole_time * 1000,
-        "chunk_cost": chunk_cost,
+        "chunk_cost": {str(c): prefill_s[c] / whole_time for c in cfg.chunk_sizes},
         "check_overhead_pct": overhead["overhead"] * 100,
-        "check_overhead_ab_pct": overhead["ab_overhead"] * 100,
+        "check_overhead_ab": overhead["ab"],
         "check_cost_ns": overhead["check_cost_s"] * 1e9,
         "checks_per_prefill": overhead["checks_per_prefill"],
         # One report per layer (progress_every_layers=1): its cost against the mean layer.
         "progress_report_us": report_s * 1e6,
         "progress_report_pct_of_layer": report_s / statistics.fmean(layer_times) * 100,
+        # Per C, then per check granularity.
         "preemption_latency_ms": latency,
     }
+
+
+def _measured_chunk_sizes(cfg: EngineBenchConfig) -> tuple[int, ...]:
+    return tuple(sorted({*cfg.chunk_sizes, *cfg.latency_chunk_sizes}))
 
 
 def _layer_times(engine: PrefillEngine, ids: tuple[int, ...]) -> list[float]:
@@ -215,37 +236,65 @@ def _layer_times(engine: PrefillEngine, ids: tuple[int, ...]) -> list[float]:
     return timer.times
 
 
-def _chunk_cost(engine_for, cfg: EngineBenchConfig, ids, advance) -> tuple[float, dict]:
-    """Whole-prompt prefill time, and each chunk size's prefill time relative to it.
+def _prefill_times(engine_for, cfg: EngineBenchConfig, ids, advance) -> tuple[float, dict]:
+    """Whole-prompt prefill time, and each chunk size's prefill time (medians).
     Configurations are interleaved so that drift hits all of them alike."""
-    prefill_times: dict[int | None, list[float]] = {c: [] for c in (*cfg.chunk_sizes, None)}
+    times: dict[int | None, list[float]] = {c: [] for c in (*_measured_chunk_sizes(cfg), None)}
     for _ in range(cfg.repeats):
-        for c in prefill_times:
-            prefill_times[c].append(timed_prefill(engine_for[(c, "layer")], ids))
+        for c in times:
+            times[c].append(timed_prefill(engine_for[(c, "layer")], ids))
             advance()
-    whole_time = statistics.median(prefill_times[None])
-    chunk_cost = {str(c): statistics.median(prefill_times[c]) / whole_time for c in cfg.chunk_sizes}
-    return whole_time, chunk_cost
+    medians = {c: statistics.median(t) for c, t in times.items()}
+    return medians.pop(None), medians
 
 
 def _check_overhead(engine_for, cfg: EngineBenchConfig, ids, n_layers: int, advance) -> dict:
-    """The preemption check's cost: estimated (checks x cost of one), and an A/B of layer
-    checks against none at the benchmark chunk size."""
-    ab: dict[str, list[float]] = {"layer": [], "none": []}
-    for _ in range(cfg.repeats):
-        for check in ab:
-            ab[check].append(timed_prefill(engine_for[(cfg.chunk_size, check)], ids))
-            advance()
-    prefill_s = statistics.median(ab["none"])
+    """The preemption check's cost: estimated (checks x cost of one), and an end-to-end A/B
+    of layer checks against none at the benchmark chunk size."""
+    ab = check_ab(
+        engine_for[(cfg.chunk_size, "layer")], engine_for[(cfg.chunk_size, "none")], ids, cfg,
+        advance,
+    )  # fmt: skip
     checks_per_prefill = -(-cfg.prompt_tokens // cfg.chunk_size) * n_layers
     check_cost_s = per_check_seconds()
     return {
-        "prefill_s": prefill_s,
-        "ab_overhead": statistics.median(ab["layer"]) / prefill_s - 1,
+        "ab": ab,
         "checks_per_prefill": checks_per_prefill,
         "check_cost_s": check_cost_s,
-        "overhead": checks_per_prefill * check_cost_s / prefill_s,
+        "overhead": checks_per_prefill * check_cost_s / ab["prefill_none_ms"] * 1000,
     }
+
+
+def check_ab(checked: PrefillEngine, unchecked: PrefillEngine, ids, cfg, advance) -> dict:
+    """Pairs of prefills, checked and unchecked (their order alternating, so that drift within
+    a pair cancels over pairs), until the 95% interval of the mean relative difference is
+    narrower than +-``ab_target_pct`` or ``ab_max_pairs`` were run."""
+    diffs, unchecked_s = [], []
+    while len(diffs) < cfg.ab_max_pairs:
+        pair = (checked, unchecked) if len(diffs) % 2 == 0 else (unchecked, checked)
+        times = {id(engine): timed_prefill(engine, ids) for engine in pair}
+        diffs.append(times[id(checked)] / times[id(unchecked)] - 1)
+        unchecked_s.append(times[id(unchecked)])
+        advance()
+        if len(diffs) >= max(cfg.ab_min_pairs, 2) and _half_width(diffs) * 100 < cfg.ab_target_pct:
+            break
+    low, high = mean_interval(diffs)
+    measurable = (high - low) / 2 * 100 < cfg.ab_target_pct
+    return {
+        "mean_pct": statistics.fmean(diffs) * 100,
+        "ci95_pct": [low * 100, high * 100],
+        "pairs": len(diffs),
+        "target_half_width_pct": cfg.ab_target_pct,
+        # False: after ab_max_pairs the interval is still wider than the target; the overhead
+        # is not measurable above this machine's noise.
+        "measurable": measurable,
+        "prefill_none_ms": statistics.median(unchecked_s) * 1000,
+    }
+
+
+def _half_width(diffs: list[float]) -> float:
+    low, high = mean_interval(diffs)
+    return (high - low) / 2
 
 
 def _preemption_latencies(
@@ -253,9 +302,9 @@ def _preemption_latencies(
 ) -> dict:
     samples, finished = [], 0
     while len(samples) < cfg.latency_samples:
-        # Uniform over the first 90% of a prefill: a flag can land anywhere in a layer or chunk.
-        # Runs that ended before the flag was raised are drawn again.
-        delay = rng.uniform(0.0, 0.9) * prefill_s
+        # Uniform over the whole prefill: a flag can land anywhere in a layer or chunk, the
+        # last chunk included. Runs that ended before the flag was raised are drawn again.
+        delay = rng.uniform(0.0, 1.0) * prefill_s
         measured = preemption_latency(engine, ids, delay)
         if measured is None:
             continue
@@ -291,32 +340,38 @@ def render_table(result: dict, console: Console) -> None:
         f"{result['check_overhead_pct']:.5f} % ({result['check_cost_ns']:.0f} ns x "
         f"{result['checks_per_prefill']})",
     )
-    head.add_row(
-        "check overhead, A/B layer vs none (noisy)", f"{result['check_overhead_ab_pct']:+.2f} %"
-    )
+    head.add_row("check overhead, end-to-end A/B layer vs none", ab_verdict(result))
     head.add_row(
         "per-layer progress report (cost / share of a layer)",
         f"{result['progress_report_us']:.1f} us / {result['progress_report_pct_of_layer']:.4f} %",
     )
     console.print(head)
 
-    lat = result["preemption_latency_ms"]
-    table = Table(title=f"preemption latency at C={result['chunk_size']} (flag -> engine returned)")
-    for col in ("checked at", "p50 ms", "p99 ms", "n", "p99 / max layer"):
+    table = Table(title="preemption latency (flag at a uniformly random time -> engine returned)")
+    for col in ("C", "checked at", "p50 ms", "p99 ms", "n", "ran to the end", "p99 / max layer"):
         table.add_column(col, justify="right")
-    for check, row in lat.items():
-        table.add_row(
-            check + " boundaries",
-            f"{row['p50']:.1f}",
-            f"{row['p99']:.1f}",
-            str(row["n"]),
-            f"{row['p99'] / lt['max']:.2f}x",
-        )
+    for c, by_check in result["preemption_latency_ms"].items():
+        for check, row in by_check.items():
+            table.add_row(
+                c, check + " boundaries", f"{row['p50']:.1f}", f"{row['p99']:.1f}",
+                str(row["n"]), str(row["ran_to_completion"]), f"{row['p99'] / lt['max']:.2f}x",
+            )  # fmt: skip
     console.print(table)
-    console.print(
-        f"layer-boundary preemption is {lat['chunk']['p50'] / lat['layer']['p50']:.1f}x faster "
-        f"at p50 than chunk-boundary-only preemption"
-    )
+    for c, lat in result["preemption_latency_ms"].items():
+        console.print(
+            f"C={c}: layer-boundary preemption is {lat['chunk']['p50'] / lat['layer']['p50']:.1f}x "
+            f"faster at p50 and {lat['chunk']['p99'] / lat['layer']['p99']:.1f}x at p99 than "
+            "chunk-boundary-only preemption"
+        )
+
+
+def ab_verdict(result: dict) -> str:
+    ab = result["check_overhead_ab"]
+    low, high = ab["ci95_pct"]
+    interval = f"95% CI {low:+.2f}..{high:+.2f} %, {ab['pairs']} pairs"
+    if not ab["measurable"]:
+        return f"not measurable above noise ({interval})"
+    return f"{ab['mean_pct']:+.2f} % ({interval})"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -335,17 +390,22 @@ def plot(result: dict, path: Path) -> None:
     left.set_ylabel("prefill time / whole-prompt time")
     left.set_title("efficiency cost of small chunks")
     left.legend()
-    for check, color in (("layer", "tab:green"), ("chunk", "tab:red")):
-        samples = sorted(result["preemption_latency_ms"][check]["samples_ms"])
-        ys = [(i + 1) / len(samples) for i in range(len(samples))]
-        right.step(samples, ys, where="post", color=color, label=f"checked at {check} boundaries")
+    styles = {"layer": "tab:green", "chunk": "tab:red"}
+    for i, (c, by_check) in enumerate(result["preemption_latency_ms"].items()):
+        for check, row in by_check.items():
+            samples = sorted(row["samples_ms"])
+            ys = [(k + 1) / len(samples) for k in range(len(samples))]
+            right.step(
+                samples, ys, where="post", color=styles[check], linestyle=("-", "--", ":")[i % 3],
+                label=f"C={c}, checked at {check} boundaries",
+            )  # fmt: skip
     right.axvline(
         result["layer_time_ms"]["max"], color="gray", linestyle=":", label="largest layer time"
     )
     right.set_xscale("log")
     right.set_xlabel("preemption latency (ms, log)")
     right.set_ylabel("CDF")
-    right.set_title(f"preemption latency at C={result['chunk_size']}")
+    right.set_title("preemption latency, flag at a random time")
     right.legend(loc="lower right")
     fig.suptitle(f"{result['model']} on {result['device']}, {result['prompt_tokens']}-token prompt")
     fig.tight_layout()

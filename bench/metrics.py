@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scipy.stats import binomtest
+from scipy.stats import binomtest, ttest_1samp
 
 from bench.harness import RunResult
 from tierflow.tiers import TierTable
@@ -119,6 +119,12 @@ def wilson_interval(successes: int, n: int) -> tuple[float, float]:
     if n == 0:
         return (float("nan"), float("nan"))
     ci = binomtest(successes, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return (float(ci.low), float(ci.high))
+
+
+def mean_interval(samples: list[float]) -> tuple[float, float]:
+    """95% t interval of a mean (n >= 2)."""
+    ci = ttest_1samp(samples, 0.0).confidence_interval(confidence_level=0.95)
     return (float(ci.low), float(ci.high))
 
 

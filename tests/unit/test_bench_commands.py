@@ -35,8 +35,11 @@ def test_engine_bench_writes_json_and_png(tmp_path):
     assert set(result["chunk_cost"]) == {"256", "1024"}
     assert result["check_overhead_pct"] >= 0
     assert result["progress_report_us"] > 0 and result["progress_report_pct_of_layer"] > 0
+    ab = result["check_overhead_ab"]
+    assert ab["pairs"] == 2 and ab["ci95_pct"][0] <= ab["mean_pct"] <= ab["ci95_pct"][1]
+    assert set(result["preemption_latency_ms"]) == {"1024"}  # quick: one C
     for check in ("layer", "chunk"):
-        lat = result["preemption_latency_ms"][check]
+        lat = result["preemption_latency_ms"]["1024"][check]
         assert lat["n"] == 8 and 0 < lat["p50"] <= lat["p99"]
     assert png.stat().st_size > 10_000
 
