@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
+from bench import slo_curves
 from bench.calibrate import DEFAULT_LENGTHS, calibrate
 from bench.harness import run_policy
 from bench.metrics import meets_slos, summarise
@@ -240,6 +241,9 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     result = run_policy_bench(cfg, console)
     render_policy_tables(result, console)
     render_comparison(result, console)
+    result["slo_sensitivity"] = slo_curves.slo_sensitivity([result])
+    slo_png = png_path.with_name(png_path.stem + "_slo.png") if png_path else None
+    slo_curves.report(result["slo_sensitivity"], console, slo_png)
     if cfg.smoke:
         mark_smoke(result, console)
     write_json(result, json_path, console)

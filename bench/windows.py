@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench import slo_curves
 from bench.calibrate import calibrate
 from bench.metrics import wilson_interval
 from bench.policy_bench import PolicyBenchConfig, run_policy_bench
@@ -142,10 +143,15 @@ def _rate(tier: dict | None) -> str:
     return f"{tier['met']}/{tier['n']} = {tier['attainment']:.3f} ({lo:.2f}-{hi:.2f})"
 
 
-def main(cfg: PolicyBenchConfig, starts: tuple[float, ...], json_path: Path | None) -> dict:
+def main(
+    cfg: PolicyBenchConfig, starts: tuple[float, ...], json_path: Path | None, png_path: Path | None
+) -> dict:
     console = Console()
     result = run_windows(cfg, starts, console)
     render_aggregate(result["aggregate"], console)
+    result["slo_sensitivity"] = slo_curves.slo_sensitivity([result])  # the windows pooled
+    slo_png = png_path.with_name(png_path.stem + "_slo.png") if png_path else None
+    slo_curves.report(result["slo_sensitivity"], console, slo_png)
     write_json(result, json_path, console)
     if json_path is not None:
         json_path.with_suffix(".md").write_text(markdown(result))

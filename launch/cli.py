@@ -96,9 +96,16 @@ def _bench(args: argparse.Namespace) -> int:
     elif len(args.trace_start) > 1:
         from bench.windows import main as windows_main
 
-        windows_main(cfg, args.trace_start, args.json)
+        windows_main(cfg, args.trace_start, args.json, args.plot)
     else:
         main(cfg, args.json, args.plot)
+    return 0
+
+
+def _slo_curves(args: argparse.Namespace) -> int:
+    from bench.slo_curves import main
+
+    main(args.runs, args.tier, args.json, args.plot)
     return 0
 
 
@@ -231,8 +238,9 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_engine_bench, _add_bench, _add_calibrate, _add_up, _add_down, _add_generate):
+    for add in (_add_engine_bench, _add_bench, _add_slo_curves, _add_calibrate, _add_up, _add_down):
         add(sub)
+    _add_generate(sub)
     _add_protoset(sub)
     _add_soak(sub)
     _add_demo(sub)
@@ -353,6 +361,19 @@ def _add_trace_options(b: argparse.ArgumentParser) -> None:
         default=0.5,
         help="share of prompts <= 128 tokens that are critical",
     )
+
+
+def _add_slo_curves(sub) -> None:
+    s = sub.add_parser(
+        "slo-curves",
+        help="a tier's TTFT attainment against its SLO (1.2x-20x isolated TTFT) per policy, "
+        "pooled over `tierflow bench` JSONs (seeds, trace windows)",
+    )
+    s.add_argument("runs", type=Path, nargs="+", help="`tierflow bench --json` files")
+    s.add_argument("--tier", default="critical")
+    s.add_argument("--json", type=Path, help="write the curves here")
+    s.add_argument("--plot", type=Path, help="write a PNG here")
+    s.set_defaults(func=_slo_curves)
 
 
 def _add_calibrate(sub) -> None:
