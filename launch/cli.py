@@ -70,7 +70,7 @@ def _bench(args: argparse.Namespace) -> int:
     overrides = {
         "model": args.model,
         "device": args.device,
-        "policies": tuple(args.policies.split(",")) if args.policies else None,
+        "policies": _bench_policies(args),
         "chunk_size": args.chunk_size,
         "chunked_chunk_size": args.chunked_chunk_size,
         "workers": args.workers,
@@ -107,6 +107,14 @@ def _slo_curves(args: argparse.Namespace) -> int:
 
     main(args.runs, args.tier, args.json, args.plot)
     return 0
+
+
+def _bench_policies(args: argparse.Namespace) -> tuple[str, ...] | None:
+    from queue_service.scheduler.policies import ABLATIONS
+
+    if args.ablations:
+        return ("flowprefill", *ABLATIONS)
+    return tuple(args.policies.split(",")) if args.policies else None
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -280,6 +288,12 @@ def _add_bench(sub) -> None:
     b.add_argument("--model", help="default bench-llama")
     b.add_argument("--device")
     b.add_argument("--policies", help="comma-separated; default all five")
+    b.add_argument(
+        "--ablations",
+        action="store_true",
+        help="flowprefill next to its ablations (flowprefill-chunk, priority-layer, "
+        "flowprefill-recompute, flowprefill-half) on the same arrivals",
+    )
     b.add_argument(
         "--chunk-size",
         type=int,

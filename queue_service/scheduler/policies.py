@@ -6,7 +6,8 @@ the workers and the safety rules common to all policies (preemption bound, aging
 Each policy also says what the engine must do for it, so a benchmark configures the same
 engine per policy from the policy object alone:
   ``engine_check``  where the engine polls the preemption flag: "layer" (every layer
-                    boundary), "chunk" (only at chunk ends), "none" (never: runs to completion)
+                    boundary), "half" (also between a layer's attention and MLP), "chunk"
+                    (only at chunk ends), "none" (never: runs to completion)
   ``preempts``      whether the policy ever issues Preempt
   ``drop_state``    whether its Preempt asks the worker to drop the KV state (recompute later)
 
@@ -25,6 +26,15 @@ Policies (docs/design.md, "Scheduling"):
                kept. A
                request that waits on a prediction gets a wake-up at the last moment a
                preemption still saves it (``latest_start_s``).
+
+Ablations (``ABLATIONS``, benchmarks only: `tierflow bench --ablations`), each flowprefill or a
+baseline with one part swapped, so that each part of the gain shows on the same arrivals:
+  flowprefill-chunk      flowprefill's order and trigger, stopping only at chunk ends (C of the
+                         chunked baseline)
+  priority-layer         tier order with preemption on any higher waiting tier (chunked's
+                         rules), stopping at the next layer, state kept
+  flowprefill-recompute  flowprefill, dropping the victim's state (recomputed when it resumes)
+  flowprefill-half       flowprefill, also stopping between a layer's attention and MLP
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from typing import Any, ClassVar, Literal
 
 from queue_service.scheduler.request import Request
 
-EngineCheck = Literal["layer", "chunk", "none"]
+EngineCheck = Literal["half", "layer", "chunk", "none"]
 SortKey = tuple[float, ...]
 
 
@@ -318,13 +328,45 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
 }
 
 
+class FlowPrefillChunkStops(FlowPrefill):
+    name = "flowprefill-chunk"
+    engine_check = "chunk"
+
+
+class PriorityLayerStops(Chunked):
+    name = "priority-layer"
+    engine_check = "layer"
+
+
+class FlowPrefillRecompute(FlowPrefill):
+    name = "flowprefill-recompute"
+    drop_state = True
+
+
+class FlowPrefillHalfStops(FlowPrefill):
+    name = "flowprefill-half"
+    engine_check = "half"
+
+
+ABLATIONS: dict[str, type[SchedulingPolicy]] = {
+    cls.name: cls
+    for cls in (
+        FlowPrefillChunkStops,
+        PriorityLayerStops,
+        FlowPrefillRecompute,
+        FlowPrefillHalfStops,
+    )
+}
+
+
 def make_policy(name: str, **options: Any) -> SchedulingPolicy:
     """The policy called ``name``; ``options`` go to its constructor (flowprefill: switch_s)."""
     try:
-        cls = POLICIES[name]
+        cls = {**POLICIES, **ABLATIONS}[name]
     except KeyError:
         raise ValueError(
-            f"unknown scheduling policy {name!r}; choose one of: {', '.join(POLICIES)}"
+            f"unknown scheduling policy {name!r}; choose one of: {', '.join(POLICIES)} "
+            f"(ablations: {', '.join(ABLATIONS)})"
         ) from None
     try:
         return cls(**options)

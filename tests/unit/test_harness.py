@@ -11,6 +11,7 @@ import torch
 from bench.harness import run_policy
 from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.scheduler import PrefillTimePredictor, Scheduler, make_policy
+from queue_service.scheduler.policies import ABLATIONS
 from tierflow.tiers import TierPolicy, TierTable
 from worker.engine import EngineConfig, PrefillEngine
 
@@ -83,7 +84,9 @@ def test_critical_preempts_a_long_batch_prefill_which_then_finishes_exactly(tiny
     assert engine.suspended_bytes == 0
 
 
-@pytest.mark.parametrize("policy", ["fifo", "priority", "chunked", "recompute", "flowprefill"])
+@pytest.mark.parametrize(
+    "policy", ["fifo", "priority", "chunked", "recompute", "flowprefill", *ABLATIONS]
+)
 def test_every_policy_completes_a_mixed_workload(tiny_llama, policy):
     model = tiny_llama.model
     arrivals = tuple(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from queue_service.scheduler import POLICIES, FlowPrefill, make_policy
+from queue_service.scheduler.policies import ABLATIONS, Chunked
 
 
 @pytest.mark.parametrize(
@@ -15,6 +16,11 @@ from queue_service.scheduler import POLICIES, FlowPrefill, make_policy
         ("chunked", "chunk", True, False),
         ("recompute", "layer", True, True),
         ("flowprefill", "layer", True, False),
+        # Ablations: flowprefill or a baseline with one part swapped.
+        ("flowprefill-chunk", "chunk", True, False),
+        ("priority-layer", "layer", True, False),
+        ("flowprefill-recompute", "layer", True, True),
+        ("flowprefill-half", "half", True, False),
     ],
 )
 def test_each_policy_states_its_engine_needs(name, check, preempts, drop_state):
@@ -33,6 +39,13 @@ def test_factory_knows_every_policy_and_rejects_unknown_names():
         make_policy("sjf")
     with pytest.raises(ValueError, match="does not take options"):
         make_policy("fifo", switch_s=0.1)
+
+
+def test_ablations_keep_their_parents_rules_but_not_their_registry_entry():
+    assert set(ABLATIONS) & set(POLICIES) == set()  # `tierflow bench` runs the five by default
+    for name in ("flowprefill-chunk", "flowprefill-recompute", "flowprefill-half"):
+        assert isinstance(make_policy(name, switch_s=0.01), FlowPrefill)
+    assert isinstance(make_policy("priority-layer"), Chunked)
 
 
 def test_flowprefill_options():
