@@ -124,6 +124,8 @@ def wilson_interval(successes: int, n: int) -> tuple[float, float]:
 
 def mean_interval(samples: list[float]) -> tuple[float, float]:
     """95% t interval of a mean (n >= 2)."""
+    if min(samples) == max(samples):
+        return (samples[0], samples[0])  # no spread (a policy against itself)
     ci = ttest_1samp(samples, 0.0).confidence_interval(confidence_level=0.95)
     return (float(ci.low), float(ci.high))
 

@@ -197,18 +197,3 @@ def report(curve: dict, console: Console, png_path: Path | None) -> None:
     if png_path is not None:
         plot_slo_sensitivity(curve, png_path)
         console.print(f"wrote {png_path}")
-
-
-def main(paths: list[Path], tier: str, json_path: Path | None, png_path: Path | None) -> dict:
-    """`tierflow slo-curves RUN.json ...`: the curves of several runs (seeds, windows) pooled."""
-    import json
-
-    from bench.report import write_json
-
-    console = Console()
-    results = [json.loads(path.read_text()) for path in paths]
-    curve = slo_sensitivity(results, tier)
-    curve["sources"] = [str(path) for path in paths]
-    report(curve, console, png_path)
-    write_json(curve, json_path, console)
-    return curve

@@ -102,8 +102,8 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slo_curves(args: argparse.Namespace) -> int:
-    from bench.slo_curves import main
+def _pool(args: argparse.Namespace) -> int:
+    from bench.pooled import main
 
     main(args.runs, args.tier, args.json, args.plot)
     return 0
@@ -246,7 +246,7 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_engine_bench, _add_bench, _add_slo_curves, _add_calibrate, _add_up, _add_down):
+    for add in (_add_engine_bench, _add_bench, _add_pool, _add_calibrate, _add_up, _add_down):
         add(sub)
     _add_generate(sub)
     _add_protoset(sub)
@@ -377,17 +377,18 @@ def _add_trace_options(b: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_slo_curves(sub) -> None:
+def _add_pool(sub) -> None:
     s = sub.add_parser(
-        "slo-curves",
-        help="a tier's TTFT attainment against its SLO (1.2x-20x isolated TTFT) per policy, "
-        "pooled over `tierflow bench` JSONs (seeds, trace windows)",
+        "pool",
+        help="`tierflow bench` JSONs (seeds, trace windows) pooled: a tier's TTFT attainment "
+        "against its SLO (1.2x-20x isolated TTFT) per policy, and the lower tiers' throughput "
+        "against fifo with a 95%% interval",
     )
     s.add_argument("runs", type=Path, nargs="+", help="`tierflow bench --json` files")
     s.add_argument("--tier", default="critical")
-    s.add_argument("--json", type=Path, help="write the curves here")
+    s.add_argument("--json", type=Path, help="write the pooled results here")
     s.add_argument("--plot", type=Path, help="write a PNG here")
-    s.set_defaults(func=_slo_curves)
+    s.set_defaults(func=_pool)
 
 
 def _add_calibrate(sub) -> None:

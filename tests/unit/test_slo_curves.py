@@ -1,17 +1,27 @@
 """SLO sensitivity curves: attainment per SLO multiple, pooled over runs, and the ranges where
-flowprefill is ahead of or behind a baseline."""
+flowprefill is ahead of or behind a baseline; the lower tiers' throughput against fifo."""
 
 import json
 
-from bench import slo_curves
+from bench import pooled
 from bench.slo_curves import MULTIPLES, ranges, slo_sensitivity
 
 
-def run(isolated_ms: float, samples: dict[str, list[float]], n: int, slo_ms: float = 300.0):
+def run(
+    isolated_ms: float,
+    samples: dict[str, list[float]],
+    n: int,
+    slo_ms: float = 300.0,
+    lower_tok_s: dict[str, float] | None = None,
+):
+    lower_tok_s = lower_tok_s or {}
     return {
         "isolated_ttft_ms": {"critical": isolated_ms},
         "policies": {
-            name: {"tiers": {"critical": {"n": n, "ttft_samples_ms": ttfts, "slo_ms": slo_ms}}}
+            name: {
+                "tiers": {"critical": {"n": n, "ttft_samples_ms": ttfts, "slo_ms": slo_ms}},
+                "lower_tier_completed_tok_s": lower_tok_s.get(name, 100.0),
+            }
             for name, ttfts in samples.items()
         },
     }
@@ -65,8 +75,28 @@ def test_the_command_pools_json_files_and_writes_json_and_a_plot(tmp_path):
         path.write_text(json.dumps(run(isolated, {"flowprefill": [70.0], "fifo": [900.0]}, n=1)))
         paths.append(path)
     out, png = tmp_path / "slo.json", tmp_path / "slo.png"
-    slo_curves.main(paths, "critical", out, png)
+    pooled.main(paths, "critical", out, png)
     written = json.loads(out.read_text())
-    assert written["runs"] == 2 and written["n"] == {"flowprefill": 2, "fifo": 2}
+    curve = written["slo_sensitivity"]
+    assert curve["runs"] == 2 and curve["n"] == {"flowprefill": 2, "fifo": 2}
     assert written["sources"] == [str(p) for p in paths]
     assert png.stat().st_size > 10_000
+
+
+def test_lower_tier_throughput_against_fifo_is_one_ratio_per_run_with_an_interval():
+    runs = [
+        run(
+            50.0,
+            {"fifo": [], "flowprefill": []},
+            n=0,
+            lower_tok_s={"fifo": 100.0, "flowprefill": f},
+        )
+        for f in (90.0, 100.0, 95.0)
+    ]
+    table = pooled.lower_tier_vs_fifo(runs)
+    fp = table["flowprefill"]
+    assert fp["per_run"] == [0.9, 1.0, 0.95] and abs(fp["mean"] - 0.95) < 1e-12
+    low, high = fp["ci95"]
+    assert low < 0.95 < high and high - low > 0.1  # three runs: a wide interval, said so
+    assert table["fifo"]["per_run"] == [1.0, 1.0, 1.0]
+    assert pooled.lower_tier_vs_fifo(runs[:1])["flowprefill"]["ci95"] is None
