@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from bench import slo_curves
+from bench import slo_curves, slo_sweep
 from bench.calibrate import DEFAULT_LENGTHS, calibrate
 from bench.harness import run_policy
 from bench.metrics import meets_slos, summarise
@@ -72,6 +72,9 @@ class PolicyBenchConfig:
     predictor_file: Path | None = None
     sweep_factors: tuple[float, ...] = ()
     sweep_duration_s: float = 30.0
+    # The top tier's TTFT SLO set to each of these multiples of its isolated TTFT, and the
+    # policies whose decisions read deadlines run again under it (``bench.slo_sweep``).
+    slo_multiples: tuple[float, ...] = ()
     # Batched workers (0: unbatched, one request at a time) and the longest synthetic output.
     kv_slots: int = 0
     max_batch_size: int = BatchConfig.max_batch_size
@@ -190,6 +193,11 @@ def run_policy_bench(
         summaries = run_all_policies(
             model, workload, tiers, predictor.to_json(), cfg, progress, label=""
         )
+        configured = slo_sweep.run(
+            cfg, isolated, tiers, lambda swept, sub, label: run_all_policies(
+                model, workload, swept, predictor.to_json(), sub, progress, label
+            ),
+        )  # fmt: skip
         sweep = {}
         for factor in cfg.sweep_factors:
             scaled = replace(cfg, duration_s=cfg.sweep_duration_s)
@@ -213,6 +221,8 @@ def run_policy_bench(
         "policies": summaries,
         "isolated_ttft_ms": isolated,
     }
+    if configured is not None:
+        result["slo_configured"] = configured
     if sweep:
         base_rate = result["arrival_rate_per_s"]
         result["sweep"] = {

@@ -7,6 +7,10 @@ prompt alone on an idle engine, measured in the same run), for every ``m`` from 
 Runs (seeds, trace windows) pool: each TTFT is taken as a multiple of its own run's isolated
 TTFT. A request shed at admission or failed counts as a miss at every SLO.
 
+With ``tierflow bench --slo-sweep``, ``configured`` adds points where the SLO was not only
+judged but configured (``bench.slo_sweep``): the policies that plan by deadlines run again
+under it (dots with their 95% intervals on the plot).
+
 ``flowprefill_vs`` gives, per baseline, the SLO ranges over which flowprefill met the SLO for
 more requests (by at least one), those over which it met it for fewer, and the parts of each
 where the two policies' 95% Wilson intervals do not overlap.
@@ -92,7 +96,40 @@ def slo_sensitivity(results: list[dict], tier: str = "critical") -> dict:
             for name, counts in met.items()
             if name != SUBJECT
         }
+    configured = _configured(results, tier, pool)
+    if configured:
+        out["configured"] = configured
     return out
+
+
+def _configured(results: list[dict], tier: str, pool: dict) -> list[dict]:
+    """The ``--slo-sweep`` points pooled over runs: per multiple, each policy's requests within
+    that SLO, from its rerun under it where it was rerun (``rerun``: True), else judged from
+    the main run (exact for a policy that never reads a deadline)."""
+    sums: dict[float, dict[str, list[int]]] = {}
+    for run in (r for result in results for r in runs_in(result)):
+        sweep = run.get("slo_configured")
+        if not sweep or sweep["tier"] != tier:
+            continue
+        for point in sweep["points"]:
+            into = sums.setdefault(point["multiple"], {})
+            for name, counts in point["policies"].items():
+                acc = into.setdefault(name, [0, 0])
+                acc[0] += counts["met"]
+                acc[1] += counts["n"]
+    points = []
+    for multiple in sorted(sums):
+        row = {}
+        for name, (ttfts, n) in pool.items():
+            rerun = name in sums[multiple]
+            k, total = sums[multiple][name] if rerun else (attainment(ttfts, n, multiple), n)
+            row[name] = {
+                "met": k, "n": total, "rerun": rerun,
+                "attainment": k / total if total else float("nan"),
+                "ci95": list(wilson_interval(k, total)),
+            }  # fmt: skip
+        points.append({"multiple": multiple, "policies": row})
+    return points
 
 
 def _versus(mine: list[int], my_n: int, theirs: list[int], their_n: int) -> dict:
@@ -140,12 +177,33 @@ def render_slo_table(curve: dict, console: Console) -> None:
         cells = [_share_at(curve, name, m) for m in TABLE_MULTIPLES]
         table.add_row(name, str(n), *cells)
     console.print(table)
+    if "configured" in curve:
+        _render_configured(curve, console)
     for name, sides in curve.get("flowprefill_vs", {}).items():
         console.print(
             f"flowprefill vs {name}: more within the SLO at {_ranges_text(sides['better'])} "
             f"(95% intervals apart at {_ranges_text(sides['clearly_better'])}); fewer at "
             f"{_ranges_text(sides['worse'])} (apart at {_ranges_text(sides['clearly_worse'])})"
         )
+
+
+def _render_configured(curve: dict, console: Console) -> None:
+    names = list(curve["n"])
+    table = Table(
+        title=f"{curve['tier']} SLO configured at m x isolated TTFT (*: run again under it; "
+        "others judged from the main run, which they do not plan by)"
+    )
+    table.add_column("m", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    for point in curve["configured"]:
+        cells = []
+        for name in names:
+            p = point["policies"][name]
+            star = "*" if p["rerun"] else ""
+            cells.append(f"{p['met']}/{p['n']}{star} ({p['attainment'] * 100:.0f}%)")
+        table.add_row(f"{point['multiple']:g}x", *cells)
+    console.print(table)
 
 
 def _share_at(curve: dict, name: str, m: float) -> str:
@@ -176,6 +234,15 @@ def plot_slo_sensitivity(curve: dict, path: Path) -> None:
         high = [hi for _, hi in curve["ci95"][name]]
         ax.plot(xs, shares, color=colour, label=f"{name} (n={curve['n'][name]})")
         ax.fill_between(xs, low, high, color=colour, alpha=0.12, linewidth=0)
+    for point in curve.get("configured", []):
+        for name, p in point["policies"].items():
+            if p["rerun"]:
+                low, high = p["ci95"]
+                share = p["attainment"]
+                ax.errorbar(
+                    [point["multiple"]], [share], yerr=[[share - low], [high - share]],
+                    color=POLICY_COLOURS.get(name), marker="o", capsize=3, linestyle="none",
+                )  # fmt: skip
     if curve["configured_slo_multiple"]:
         ax.axvline(
             curve["configured_slo_multiple"], color="gray", linestyle=":", label="configured SLO"

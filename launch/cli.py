@@ -86,6 +86,9 @@ def _bench(args: argparse.Namespace) -> int:
         "kv_slots": (args.kv_slots or BatchConfig.pool_slots) if batched else None,
         "max_batch_size": args.max_batch_size,
         "max_new_tokens": max_new,
+        "slo_multiples": tuple(float(m) for m in args.slo_sweep.split(","))
+        if args.slo_sweep
+        else None,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
@@ -269,7 +272,8 @@ def _add_engine_bench(sub) -> None:
     eb.add_argument(
         "--chunk-size",
         type=int,
-        help=f"C for the latency comparison (default {EngineConfig.chunk_size})",
+        help=f"C of the layer times and the check A/B (default {EngineConfig.chunk_size}; "
+        "preemption latency is measured at C=512 and C=2048)",
     )
     eb.add_argument("--quick", action="store_true", help="smaller prompt and fewer samples")
     eb.add_argument(
@@ -319,6 +323,11 @@ def _add_bench(sub) -> None:
         help="every policy on batched workers (continuous decode batching, decode slotted into "
         "prefills by TBT target, SLO-aware packed prefill); requests produce outputs, and TBT "
         "is reported per tier",
+    )
+    b.add_argument(
+        "--slo-sweep",
+        help="comma-separated multiples of the top tier's isolated TTFT: the policies that plan "
+        "by deadlines run again with that tier's SLO set to each (e.g. 1.5,2,3,5)",
     )
     b.add_argument(
         "--kv-slots", type=int, help=f"batched: KV slots per worker ({BatchConfig.pool_slots})"

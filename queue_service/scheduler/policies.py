@@ -82,6 +82,9 @@ class SchedulingPolicy(ABC):
     drop_state: ClassVar[bool] = False
     # Whether the planner applies ``guarded`` on top of ``key`` (the tier guard).
     guards_tiers: ClassVar[bool] = False
+    # Whether the policy's own rules read TTFT deadlines (so a different SLO changes what it
+    # does, not only how its results are judged).
+    reads_deadlines: ClassVar[bool] = False
 
     @abstractmethod
     def key(self, req: Request, now: float, remaining_s: float) -> SortKey:
@@ -224,6 +227,7 @@ class FlowPrefill(SchedulingPolicy):
     engine_check = "layer"
     preempts = True
     guards_tiers = True
+    reads_deadlines = True
 
     def __init__(self, switch_s: float = 0.0) -> None:
         if not switch_s >= 0:

@@ -54,6 +54,8 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
         "--quick",
         "--duration",
         "4",
+        "--slo-sweep",
+        "3",
         "--json",
         str(out),
         "--plot",
@@ -63,6 +65,13 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
     result = json.loads(out.read_text())
     assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
+    # The SLO judged at many multiples, and configured at 3x for the policy that reads it.
+    curve = result["slo_sensitivity"]
+    assert set(curve["attainment"]) == set(result["policies"])
+    assert result["slo_configured"]["rerun"] == ["flowprefill"]
+    (point,) = curve["configured"]
+    assert point["multiple"] == 3.0 and point["policies"]["flowprefill"]["rerun"]
+    assert (tmp_path / "bench_slo.png").stat().st_size > 10_000
     ns = set()
     for name, p in result["policies"].items():
         assert p["lost"] == 0, name
