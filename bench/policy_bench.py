@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from bench import slo_curves, slo_sweep
+from bench import slo_curves, slo_sweep, sustained
 from bench.calibrate import DEFAULT_LENGTHS, calibrate
 from bench.harness import run_policy
 from bench.metrics import meets_slos, summarise
@@ -75,6 +75,13 @@ class PolicyBenchConfig:
     # The top tier's TTFT SLO set to each of these multiples of its isolated TTFT, and the
     # policies whose decisions read deadlines run again under it (``bench.slo_sweep``).
     slo_multiples: tuple[float, ...] = ()
+    # Goodput at sustained rates (``bench.sustained``): these multiples of the base rate, each
+    # a fresh Poisson workload with at least ``sustained_min_critical`` critical requests, per
+    # seed of ``sustained_seeds``; a point meets ``sustained_target`` by its intervals.
+    sustained_factors: tuple[float, ...] = ()
+    sustained_seeds: tuple[int, ...] = (0, 1, 2)
+    sustained_min_critical: int = 100
+    sustained_target: float = 0.9
     # Batched workers (0: unbatched, one request at a time) and the longest synthetic output.
     kv_slots: int = 0
     max_batch_size: int = BatchConfig.max_batch_size
@@ -198,6 +205,16 @@ def run_policy_bench(
                 model, workload, swept, predictor.to_json(), sub, progress, label
             ),
         )  # fmt: skip
+        sustained_result = None
+        if cfg.sustained_factors:
+            sustained_result = sustained.run(
+                cfg.sustained_factors, cfg.sustained_seeds, cfg.sustained_min_critical,
+                cfg.sustained_target, cfg.max_new_tokens,
+                lambda load, label: run_all_policies(
+                    model, load.clip_prompts(context), tiers, predictor.to_json(), cfg, progress,
+                    label,
+                ),
+            )  # fmt: skip
         sweep = {}
         for factor in cfg.sweep_factors:
             scaled = replace(cfg, duration_s=cfg.sweep_duration_s)
@@ -223,6 +240,8 @@ def run_policy_bench(
     }
     if configured is not None:
         result["slo_configured"] = configured
+    if sustained_result is not None:
+        result["sustained"] = sustained_result
     if sweep:
         base_rate = result["arrival_rate_per_s"]
         result["sweep"] = {
@@ -251,6 +270,8 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     result = run_policy_bench(cfg, console)
     render_policy_tables(result, console)
     render_comparison(result, console)
+    if "sustained" in result:
+        sustained.render(result["sustained"], console)
     result["slo_sensitivity"] = slo_curves.slo_sensitivity([result])
     slo_png = png_path.with_name(png_path.stem + "_slo.png") if png_path else None
     slo_curves.report(result["slo_sensitivity"], console, slo_png)

@@ -45,6 +45,9 @@ def lower_tier_vs_fifo(results: list[dict]) -> dict:
 
 
 def render_throughput(table_data: dict, console: Console) -> None:
+    if not table_data:
+        console.print(f"(no {REFERENCE} run to compare the lower tiers' throughput with)")
+        return
     table = Table(title="lower tiers' completed tokens per wall-clock second, against fifo")
     for column in ("policy", "runs", "mean", "95% interval", "per run"):
         table.add_column(column, justify="left" if column == "policy" else "right")

@@ -89,6 +89,13 @@ def _bench(args: argparse.Namespace) -> int:
         "slo_multiples": tuple(float(m) for m in args.slo_sweep.split(","))
         if args.slo_sweep
         else None,
+        "sustained_factors": tuple(float(f) for f in args.sustained.split(","))
+        if args.sustained
+        else None,
+        "sustained_seeds": tuple(int(x) for x in args.sustained_seeds.split(","))
+        if args.sustained_seeds
+        else None,
+        "sustained_min_critical": args.min_critical,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
@@ -324,6 +331,13 @@ def _add_bench(sub) -> None:
         "prefills by TBT target, SLO-aware packed prefill); requests produce outputs, and TBT "
         "is reported per tier",
     )
+    b.add_argument(
+        "--sustained",
+        help="comma-separated multiples of the base rate: goodput at sustained rates, each a "
+        "fresh Poisson workload with at least --min-critical critical requests (e.g. 0.5,1,2,3)",
+    )
+    b.add_argument("--sustained-seeds", help="seeds of --sustained (default 0,1,2)")
+    b.add_argument("--min-critical", type=int, help="critical requests per --sustained point (100)")
     b.add_argument(
         "--slo-sweep",
         help="comma-separated multiples of the top tier's isolated TTFT: the policies that plan "
