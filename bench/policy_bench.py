@@ -181,53 +181,19 @@ def run_policy_bench(
     loaded = loaded or load_model(cfg.model, device=cfg.device)
     model = loaded.model
     tiers = load_tiers(cfg.tiers_file)
-    context = model.config.max_position_embeddings
-    workload = build_workload(cfg).clip_prompts(context)
+    workload = build_workload(cfg).clip_prompts(model.config.max_position_embeddings)
     if not workload.arrivals:
         raise ValueError(f"workload {workload.name!r} has no arrivals")
     with Progress(console=console) as progress:
-        if predictor is not None:
-            pass
-        elif cfg.predictor_file is not None:
-            predictor = PrefillTimePredictor.load(cfg.predictor_file)
-        else:
-            cal = progress.add_task(
-                "calibrating the prefill predictor", total=2 * len(DEFAULT_LENGTHS)
-            )
-            engine = PrefillEngine(model, EngineConfig(chunk_size=cfg.chunk_size))
-            predictor = calibrate(engine, on_sample=lambda: progress.advance(cal))
+        if predictor is None:
+            predictor = _predictor(model, cfg, progress)
         isolated = isolated_ttft_ms(model, workload, tiers, cfg)
-        summaries = run_all_policies(
-            model, workload, tiers, predictor.to_json(), cfg, progress, label=""
-        )
-        configured = slo_sweep.run(
-            cfg, isolated, tiers, lambda swept, sub, label: run_all_policies(
-                model, workload, swept, predictor.to_json(), sub, progress, label
-            ),
-        )  # fmt: skip
-        sustained_result = None
-        if cfg.sustained_factors:
-            sustained_result = sustained.run(
-                cfg.sustained_factors, cfg.sustained_seeds, cfg.sustained_min_critical,
-                cfg.sustained_target, cfg.max_new_tokens,
-                lambda load, label: run_all_policies(
-                    model, load.clip_prompts(context), tiers, predictor.to_json(), cfg, progress,
-                    label,
-                ),
-            )  # fmt: skip
-        sweep = {}
-        for factor in cfg.sweep_factors:
-            scaled = replace(cfg, duration_s=cfg.sweep_duration_s)
-            base = build_workload(scaled).clip_prompts(context)
-            sweep[factor] = run_all_policies(
-                model,
-                base.scaled_rate(factor),
-                tiers,
-                predictor.to_json(),
-                cfg,
-                progress,
-                label=f"rate x{factor:g} ",
-            )
+
+        def run_policies(load: Workload, swept: TierTable, sub: PolicyBenchConfig, label: str):
+            return run_all_policies(model, load, swept, predictor.to_json(), sub, progress, label)
+
+        summaries = run_policies(workload, tiers, cfg, "")
+        extra = _extra_runs(cfg, workload, tiers, isolated, model, run_policies)
     result = {
         "model": loaded.name,
         "device": str(model.device),
@@ -238,10 +204,8 @@ def run_policy_bench(
         "policies": summaries,
         "isolated_ttft_ms": isolated,
     }
-    if configured is not None:
-        result["slo_configured"] = configured
-    if sustained_result is not None:
-        result["sustained"] = sustained_result
+    sweep = extra.pop("sweep")
+    result.update({key: value for key, value in extra.items() if value is not None})
     if sweep:
         base_rate = result["arrival_rate_per_s"]
         result["sweep"] = {
@@ -252,6 +216,36 @@ def run_policy_bench(
         }
         result["goodput_req_s"] = {p: goodput(sweep, p) * base_rate for p in cfg.policies}
     return result
+
+
+def _predictor(model, cfg: PolicyBenchConfig, progress: Progress) -> PrefillTimePredictor:
+    """The calibrated predictor from ``cfg.predictor_file``, or calibrated now."""
+    if cfg.predictor_file is not None:
+        return PrefillTimePredictor.load(cfg.predictor_file)
+    cal = progress.add_task("calibrating the prefill predictor", total=2 * len(DEFAULT_LENGTHS))
+    engine = PrefillEngine(model, EngineConfig(chunk_size=cfg.chunk_size))
+    return calibrate(engine, on_sample=lambda: progress.advance(cal))
+
+
+def _extra_runs(cfg: PolicyBenchConfig, workload, tiers, isolated, model, run_policies) -> dict:
+    """The runs beyond the main one: the SLO configured at other multiples, sustained rates,
+    and the compressed-rate sweep (raw; ``run_policy_bench`` summarises it)."""
+    context = model.config.max_position_embeddings
+    configured = slo_sweep.run(
+        cfg, isolated, tiers, lambda swept, sub, label: run_policies(workload, swept, sub, label)
+    )
+    sustained_result = None
+    if cfg.sustained_factors:
+        sustained_result = sustained.run(
+            cfg.sustained_factors, cfg.sustained_seeds, cfg.sustained_min_critical,
+            cfg.sustained_target, cfg.max_new_tokens,
+            lambda load, label: run_policies(load.clip_prompts(context), tiers, cfg, label),
+        )  # fmt: skip
+    sweep = {}
+    for factor in cfg.sweep_factors:
+        base = build_workload(replace(cfg, duration_s=cfg.sweep_duration_s)).clip_prompts(context)
+        sweep[factor] = run_policies(base.scaled_rate(factor), tiers, cfg, f"rate x{factor:g} ")
+    return {"slo_configured": configured, "sustained": sustained_result, "sweep": sweep}
 
 
 def goodput(sweep: dict[float, dict], policy: str) -> float:
