@@ -276,10 +276,10 @@ def check_ab(checked: PrefillEngine, unchecked: PrefillEngine, ids, cfg, advance
         diffs.append(times[id(checked)] / times[id(unchecked)] - 1)
         unchecked_s.append(times[id(unchecked)])
         advance()
-        if len(diffs) >= max(cfg.ab_min_pairs, 2) and _half_width(diffs) * 100 < cfg.ab_target_pct:
+        if len(diffs) >= max(cfg.ab_min_pairs, 2) and _within_target(diffs, cfg.ab_target_pct):
             break
     low, high = mean_interval(diffs)
-    measurable = (high - low) / 2 * 100 < cfg.ab_target_pct
+    measurable = _within_target(diffs, cfg.ab_target_pct)
     return {
         "mean_pct": statistics.fmean(diffs) * 100,
         "ci95_pct": [low * 100, high * 100],
@@ -292,9 +292,10 @@ def check_ab(checked: PrefillEngine, unchecked: PrefillEngine, ids, cfg, advance
     }
 
 
-def _half_width(diffs: list[float]) -> float:
+def _within_target(diffs: list[float], target_pct: float) -> bool:
+    """The 95% interval of the mean difference is narrower than +-``target_pct``."""
     low, high = mean_interval(diffs)
-    return (high - low) / 2
+    return (high - low) / 2 * 100 < target_pct
 
 
 def _preemption_latencies(

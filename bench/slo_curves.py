@@ -61,9 +61,10 @@ def pooled(results: list[dict], tier: str) -> dict[str, tuple[list[float], int]]
     return pool
 
 
-def attainment(multiples: list[float], n: int, slo_multiple: float) -> int:
-    """How many of the ``n`` requests met an SLO of ``slo_multiple`` x the isolated TTFT."""
-    return sum(m <= slo_multiple for m in multiples) if n else 0
+def attainment(ttfts: list[float], n: int, slo: float) -> int:
+    """How many of the ``n`` requests had a TTFT within ``slo`` (in the TTFTs' own unit: ms,
+    or multiples of the isolated TTFT)."""
+    return sum(t <= slo for t in ttfts) if n else 0
 
 
 def ranges(grid: tuple[float, ...], mask: list[bool]) -> list[list[float]]:

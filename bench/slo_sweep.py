@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from bench import slo_curves
 from queue_service.scheduler import make_policy
 from tierflow.tiers import TierTable
 
@@ -56,5 +57,5 @@ def run(cfg, isolated_ms: dict, tiers: TierTable, run_policies: RunPolicies) -> 
 
 def met(tier_summary: dict, slo_ms: float) -> dict:
     """Requests of the tier within ``slo_ms``, of all of them (shed or failed: misses)."""
-    within = sum(ms <= slo_ms for ms in tier_summary["ttft_samples_ms"])
+    within = slo_curves.attainment(tier_summary["ttft_samples_ms"], tier_summary["n"], slo_ms)
     return {"met": within, "n": tier_summary["n"]}

@@ -21,6 +21,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
+from bench import slo_curves
 from bench.metrics import wilson_interval
 from bench.workload import DEFAULT_MIX, TierMix, Workload, synthetic
 
@@ -63,7 +64,7 @@ def judge(summary: dict) -> dict:
     """Per tier: met, n (shed and failed requests count as misses), attainment, 95% interval."""
     tiers = {}
     for name, t in summary["tiers"].items():
-        met = sum(ms <= t["slo_ms"] for ms in t["ttft_samples_ms"])
+        met = slo_curves.attainment(t["ttft_samples_ms"], t["n"], t["slo_ms"])
         tiers[name] = {
             "met": met, "n": t["n"], "rejected": t["rejected"], "attainment": met / t["n"],
             "ci95": list(wilson_interval(met, t["n"])),
