@@ -128,10 +128,3 @@ def mean_interval(samples: list[float]) -> tuple[float, float]:
         return (samples[0], samples[0])  # no spread (a policy against itself)
     ci = ttest_1samp(samples, 0.0).confidence_interval(confidence_level=0.95)
     return (float(ci.low), float(ci.high))
-
-
-def meets_slos(summary: dict, attainment: float = 0.9) -> bool:
-    """Goodput criterion: every tier meets its SLO for at least ``attainment`` of requests."""
-    return all(
-        t["slo_attainment"] >= attainment and t["failed"] == 0 for t in summary["tiers"].values()
-    )

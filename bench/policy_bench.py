@@ -3,9 +3,9 @@
 Steps: load the model; fit the prefill predictor on it (or load ``--predictor``); measure each
 tier's isolated TTFT (its median prompt alone on an idle engine); then replay the workload once
 per policy, each policy with the engine configured as it needs (``engine_for_policy``). Prints a
-table per policy and tier, writes JSON and a PNG of TTFT CDFs. ``--sweep-rate`` then finds each
-policy's goodput: the highest arrival rate at which every tier meets its SLO for at least 90% of
-its requests.
+table per policy and tier, writes JSON and a PNG of TTFT CDFs. Optional extra runs: the top
+tier's SLO configured at other multiples (``bench.slo_sweep``) and goodput at sustained rates
+(``bench.sustained``).
 
 With ``kv_slots`` > 0 every policy runs on batched workers (``worker.batch_engine``: one prefill
 at a time, the rest decoding in one batch, decode steps slotted into prefills by each tier's
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -26,10 +26,9 @@ from rich.progress import Progress
 from bench import slo_curves, slo_sweep, sustained
 from bench.calibrate import DEFAULT_LENGTHS, calibrate
 from bench.harness import run_policy
-from bench.metrics import meets_slos, summarise
+from bench.metrics import summarise
 from bench.report import (
     mark_smoke,
-    plot_sweep,
     plot_ttft_cdfs,
     render_comparison,
     render_policy_tables,
@@ -70,8 +69,6 @@ class PolicyBenchConfig:
     trace_options: TraceOptions = field(default_factory=TraceOptions)
     tiers_file: Path | None = None
     predictor_file: Path | None = None
-    sweep_factors: tuple[float, ...] = ()
-    sweep_duration_s: float = 30.0
     # The top tier's TTFT SLO set to each of these multiples of its isolated TTFT, and the
     # policies whose decisions read deadlines run again under it (``bench.slo_sweep``).
     slo_multiples: tuple[float, ...] = ()
@@ -90,7 +87,7 @@ class PolicyBenchConfig:
 
     @classmethod
     def quick(cls, **overrides) -> PolicyBenchConfig:
-        return cls(**{"duration_s": 15.0, "sweep_duration_s": 10.0, "smoke": True, **overrides})
+        return cls(**{"duration_s": 15.0, "smoke": True, **overrides})
 
 
 def engine_for_policy(policy_name: str, cfg: PolicyBenchConfig) -> EngineConfig:
@@ -204,17 +201,7 @@ def run_policy_bench(
         "policies": summaries,
         "isolated_ttft_ms": isolated,
     }
-    sweep = extra.pop("sweep")
     result.update({key: value for key, value in extra.items() if value is not None})
-    if sweep:
-        base_rate = result["arrival_rate_per_s"]
-        result["sweep"] = {
-            str(f): {
-                p: {"meets_slos": meets_slos(s), "tiers": s["tiers"]} for p, s in per_policy.items()
-            }
-            for f, per_policy in sweep.items()
-        }
-        result["goodput_req_s"] = {p: goodput(sweep, p) * base_rate for p in cfg.policies}
     return result
 
 
@@ -228,8 +215,7 @@ def _predictor(model, cfg: PolicyBenchConfig, progress: Progress) -> PrefillTime
 
 
 def _extra_runs(cfg: PolicyBenchConfig, workload, tiers, isolated, model, run_policies) -> dict:
-    """The runs beyond the main one: the SLO configured at other multiples, sustained rates,
-    and the compressed-rate sweep (raw; ``run_policy_bench`` summarises it)."""
+    """The runs beyond the main one: the SLO configured at other multiples, sustained rates."""
     context = model.config.max_position_embeddings
     configured = slo_sweep.run(
         cfg, isolated, tiers, lambda swept, sub, label: run_policies(workload, swept, sub, label)
@@ -241,22 +227,7 @@ def _extra_runs(cfg: PolicyBenchConfig, workload, tiers, isolated, model, run_po
             cfg.sustained_target, cfg.max_new_tokens,
             lambda load, label: run_policies(load.clip_prompts(context), tiers, cfg, label),
         )  # fmt: skip
-    sweep = {}
-    for factor in cfg.sweep_factors:
-        base = build_workload(replace(cfg, duration_s=cfg.sweep_duration_s)).clip_prompts(context)
-        sweep[factor] = run_policies(base.scaled_rate(factor), tiers, cfg, f"rate x{factor:g} ")
-    return {"slo_configured": configured, "sustained": sustained_result, "sweep": sweep}
-
-
-def goodput(sweep: dict[float, dict], policy: str) -> float:
-    """The highest rate factor up to which every tried factor met the SLOs (the first failure
-    ends it: a lucky pass above a failure does not count). 0 if the lowest one failed."""
-    best = 0.0
-    for factor in sorted(sweep):
-        if not meets_slos(sweep[factor][policy]):
-            break
-        best = factor
-    return best
+    return {"slo_configured": configured, "sustained": sustained_result}
 
 
 def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
@@ -275,8 +246,8 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     if png_path:
         plot_ttft_cdfs(result, png_path)
         console.print(f"wrote {png_path}")
-        if "sweep" in result:
-            sweep_png = png_path.with_name(png_path.stem + "_sweep.png")
-            plot_sweep(result, sweep_png)
-            console.print(f"wrote {sweep_png}")
+        if "sustained" in result:
+            sustained_png = png_path.with_name(png_path.stem + "_sustained.png")
+            sustained.plot_sustained(result["sustained"], sustained_png)
+            console.print(f"wrote {sustained_png}")
     return result

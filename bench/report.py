@@ -41,13 +41,6 @@ def render_policy_tables(result: dict, console: Console) -> None:
     console.print(_tier_table(result))
     console.print(_totals_table(result))
     console.print(_rates_table(result))
-    if "goodput_req_s" in result:
-        good = Table(title="goodput: highest rate with every tier >= 90% within SLO")
-        good.add_column("policy")
-        good.add_column("req/s", justify="right")
-        for name, rate in result["goodput_req_s"].items():
-            good.add_row(name, f"{rate:.3f}")
-        console.print(good)
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...]) -> Table:
@@ -177,11 +170,13 @@ def comparison_lines(result: dict) -> list[str]:
         ratio = fp["completed_tok_s"] / best
         lines.append(f"completed tok/s (wall clock) flowprefill / best baseline: {ratio:.3f}x")
     lines.append(f"requests lost under flowprefill: {fp['lost']}")
-    if "goodput_req_s" in result:
-        g = result["goodput_req_s"]
+    if "sustained" in result:
+        g = {name: v["mean"] for name, v in result["sustained"]["goodput_req_s"].items()}
         best = max((v for k, v in g.items() if k != "flowprefill"), default=0.0)
         ratio = g.get("flowprefill", 0.0) / best if best else float("inf")
-        lines.append(f"goodput flowprefill / best baseline: {ratio:.2f}x")
+        lines.append(
+            f"sustained goodput (mean over seeds) flowprefill / best baseline: {ratio:.2f}x"
+        )
     return lines
 
 
@@ -227,32 +222,5 @@ def plot_ttft_cdfs(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['model']} on {result['device']}: {result['workload']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_sweep(result: dict, path: Path) -> None:
-    plt = _pyplot()
-    factors = sorted(result["sweep"], key=float)
-    base = result["arrival_rate_per_s"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in result["policies"]:
-        worst = [
-            min(t["slo_attainment"] for t in result["sweep"][f][name]["tiers"].values())
-            for f in factors
-        ]
-        ax.plot(
-            [float(f) * base for f in factors],
-            worst,
-            marker="o",
-            label=name,
-            color=POLICY_COLOURS.get(name),
-        )
-    ax.axhline(0.9, color="black", linestyle="--", linewidth=1, label="90% target")
-    ax.set_xlabel("arrival rate (requests/s)")
-    ax.set_ylabel("worst tier's SLO attainment")
-    ax.set_title("goodput sweep")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -117,8 +118,31 @@ def run(
         "target": target,
         "min_critical": min_critical,
         "points": points,
+        "pooled": pooled_over_seeds(points),
         "goodput_req_s": {name: _spread(points, name, seeds, target) for name in policies},
     }
+
+
+def pooled_over_seeds(points: list[dict]) -> list[dict]:
+    """Per rate factor, each policy's tiers over all seeds together (met and n summed, a Wilson
+    interval on the sum): the curve of attainment against load, with the seeds' samples."""
+    pooled = []
+    for factor in sorted({p["factor"] for p in points}):
+        at = [p for p in points if p["factor"] == factor]
+        policies = {}
+        for name in at[0]["policies"]:
+            tiers = {}
+            for tier in at[0]["policies"][name]["tiers"]:
+                met = sum(p["policies"][name]["tiers"][tier]["met"] for p in at)
+                n = sum(p["policies"][name]["tiers"][tier]["n"] for p in at)
+                tiers[tier] = {"met": met, "n": n, "attainment": met / n,
+                               "ci95": list(wilson_interval(met, n))}  # fmt: skip
+            policies[name] = {"tiers": tiers}
+        rate = statistics.fmean(p["rate_per_s"] for p in at)
+        pooled.append(
+            {"factor": factor, "rate_per_s": rate, "seeds": len(at), "policies": policies}
+        )
+    return pooled
 
 
 def _spread(points: list[dict], policy: str, seeds: tuple[int, ...], target: float) -> dict:
@@ -158,3 +182,39 @@ def render(result: dict, console: Console) -> None:
         seeds = " ".join(f"{v:.2f}" for v in g["per_seed"].values())
         good.add_row(name, seeds, f"{g['mean']:.2f}", f"{g['min']:.2f}-{g['max']:.2f}")
     console.print(good)
+
+
+def plot_sustained(result: dict, path: Path) -> None:
+    """One panel per tier: attainment against the arrival rate, per policy, pooled over seeds
+    (95% Wilson bars), with the goodput target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report import POLICY_COLOURS
+
+    pooled = result["pooled"]
+    tiers = list(next(iter(pooled[0]["policies"].values()))["tiers"])
+    fig, axes = plt.subplots(1, len(tiers), figsize=(4.2 * len(tiers), 4), squeeze=False)
+    for ax, tier in zip(axes[0], tiers, strict=True):
+        for name in pooled[0]["policies"]:
+            rates = [p["rate_per_s"] for p in pooled]
+            cells = [p["policies"][name]["tiers"][tier] for p in pooled]
+            shares = [c["attainment"] for c in cells]
+            bars = [[s - c["ci95"][0] for s, c in zip(shares, cells, strict=True)],
+                    [c["ci95"][1] - s for s, c in zip(shares, cells, strict=True)]]  # fmt: skip
+            ax.errorbar(rates, shares, yerr=bars, label=name, color=POLICY_COLOURS.get(name),
+                        marker="o", capsize=3)  # fmt: skip
+        ax.axhline(result["target"], color="gray", linestyle=":", label="target")
+        n = sum(p["policies"][name]["tiers"][tier]["n"] for p in pooled) // max(len(pooled), 1)
+        ax.set_title(f"{tier} (about {n} per point)")
+        ax.set_xlabel("arrival rate (req/s), fresh Poisson")
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("share within the SLO (all seeds)")
+    axes[0][-1].legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"sustained rates, {pooled[0]['seeds']} seed(s) pooled; 95% intervals")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

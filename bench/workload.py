@@ -31,11 +31,6 @@ class Workload:
     def duration_s(self) -> float:
         return self.arrivals[-1].at_s if self.arrivals else 0.0
 
-    def scaled_rate(self, factor: float) -> Workload:
-        """The same requests arriving ``factor`` times as fast."""
-        arrivals = tuple(replace(a, at_s=a.at_s / factor) for a in self.arrivals)
-        return Workload(f"{self.name} x{factor:g}", arrivals)
-
     def clip_prompts(self, max_tokens: int) -> Workload:
         """Prompts no longer than ``max_tokens`` (a model's context minus its new tokens)."""
         arrivals = tuple(

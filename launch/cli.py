@@ -80,9 +80,6 @@ def _bench(args: argparse.Namespace) -> int:
         "trace_options": trace_opts,
         "tiers_file": args.tiers,
         "predictor_file": args.predictor,
-        "sweep_factors": tuple(float(f) for f in args.sweep_factors.split(","))
-        if args.sweep_rate
-        else None,
         "kv_slots": (args.kv_slots or BatchConfig.pool_slots) if batched else None,
         "max_batch_size": args.max_batch_size,
         "max_new_tokens": max_new,
@@ -317,12 +314,6 @@ def _add_bench(sub) -> None:
     _add_trace_options(b)
     b.add_argument("--tiers", type=Path, help="tiers TOML (default config/tiers.toml)")
     b.add_argument("--predictor", type=Path, help="predictor JSON from `tierflow calibrate`")
-    b.add_argument("--sweep-rate", action="store_true", help="also find each policy's goodput")
-    b.add_argument(
-        "--sweep-factors",
-        default="0.5,0.75,1,1.5,2,3",
-        help="arrival-rate multipliers tried by --sweep-rate",
-    )
     b.add_argument("--quick", action="store_true", help="short run for CI smoke use")
     b.add_argument(
         "--batch",

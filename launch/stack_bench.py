@@ -108,7 +108,7 @@ def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
     from worker.models import load_model
 
     loaded = load_model(cfg.model, device=cfg.device)
-    in_process = replace(cfg, policies=("flowprefill",), sweep_factors=())
+    in_process = replace(cfg, policies=("flowprefill",), slo_multiples=(), sustained_factors=())
     result = run_policy_bench(in_process, console, loaded)
     tiers = load_tiers(cfg.tiers_file)
     workload = build_workload(cfg).clip_prompts(loaded.model.config.max_position_embeddings)

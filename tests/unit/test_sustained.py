@@ -50,8 +50,10 @@ def test_the_bench_command_runs_sustained_points_per_seed(tmp_path):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", "tiny-llama", "--quick", "--duration", "2",
             "--policies", "fifo,flowprefill", "--sustained", "1,2",
-            "--sustained-seeds", "0,1", "--min-critical", "3", "--json", str(out)]  # fmt: skip
+            "--sustained-seeds", "0,1", "--min-critical", "3", "--json", str(out),
+            "--plot", str(tmp_path / "bench.png")]  # fmt: skip
     assert main(args) == 0
+    assert (tmp_path / "bench_sustained.png").stat().st_size > 0
     result = json.loads(out.read_text())["sustained"]
     assert [(p["seed"], p["factor"]) for p in result["points"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     for point in result["points"]:
@@ -59,3 +61,10 @@ def test_the_bench_command_runs_sustained_points_per_seed(tmp_path):
     assert set(result["goodput_req_s"]) == {"fifo", "flowprefill"}
     assert set(result["goodput_req_s"]["fifo"]["per_seed"]) == {"0", "1"}
     assert sustained.meets(result["points"][0]["policies"]["fifo"], 0.0)
+    # Pooled over the seeds: per factor, met and n are the sums of the two seeds' points.
+    first = result["pooled"][0]["policies"]["flowprefill"]["tiers"]["critical"]
+    per_seed = [p["policies"]["flowprefill"]["tiers"]["critical"] for p in result["points"][::2]]
+    assert (first["met"], first["n"]) == (
+        sum(t["met"] for t in per_seed),
+        sum(t["n"] for t in per_seed),
+    )
