@@ -184,6 +184,47 @@ def render(result: dict, console: Console) -> None:
     console.print(good)
 
 
+def markdown(result: dict) -> str:
+    """The pooled, goodput and per-point tables, as docs/results.md shows them."""
+    tiers = (
+        list(next(iter(result["pooled"][0]["policies"].values()))["tiers"])
+        if result["pooled"]
+        else []
+    )
+    head = "| " + " | ".join(tiers) + " |"
+    rule = "|---" * len(tiers) + "|"
+    lines = ["**Per rate, seeds pooled** (met/n, share, 95% Wilson interval)", "",
+             "| x | req/s | policy " + head, "|---|---|---" + rule]  # fmt: skip
+    for point in result["pooled"]:
+        for name, p in point["policies"].items():
+            cells = " | ".join(_share(p["tiers"][t]) for t in tiers)
+            lines.append(f"| {point['factor']:g} | {point['rate_per_s']:.2f} | {name} | {cells} |")
+    lines += ["", f"**Goodput** (req/s; every tier's lower bound >= {result['target']:.0%})", "",
+              "| policy | per seed | mean | min-max |", "|---|---|---|---|"]  # fmt: skip
+    for name, g in result["goodput_req_s"].items():
+        seeds = ", ".join(f"{v:.2f}" for v in g["per_seed"].values())
+        lines.append(f"| {name} | {seeds} | {g['mean']:.2f} | {g['min']:.2f}-{g['max']:.2f} |")
+    lines += ["", "**Per seed and rate** (met/n, lower bound)", "",
+              "| seed | x | req/s | policy " + head + " busy | lower tiers tok/s |",
+              "|---|---|---|---" + rule + "---|---|"]  # fmt: skip
+    for point in result["points"]:
+        for name, p in point["policies"].items():
+            cells = " | ".join(
+                f"{p['tiers'][t]['met']}/{p['tiers'][t]['n']} ({p['tiers'][t]['ci95'][0]:.2f})"
+                for t in tiers
+            )
+            lines.append(
+                f"| {point['seed']} | {point['factor']:g} | {point['rate_per_s']:.2f} | {name} | "
+                f"{cells} | {p['busy_fraction']:.0%} | {p['lower_tier_completed_tok_s']:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _share(tier: dict) -> str:
+    lo, hi = tier["ci95"]
+    return f"{tier['met']}/{tier['n']} = {tier['attainment']:.3f} ({lo:.2f}-{hi:.2f})"
+
+
 def plot_sustained(result: dict, path: Path) -> None:
     """One panel per tier: attainment against the arrival rate, per policy, pooled over seeds
     (95% Wilson bars), with the goodput target."""
@@ -197,9 +238,11 @@ def plot_sustained(result: dict, path: Path) -> None:
     pooled = result["pooled"]
     tiers = list(next(iter(pooled[0]["policies"].values()))["tiers"])
     fig, axes = plt.subplots(1, len(tiers), figsize=(4.2 * len(tiers), 4), squeeze=False)
+    names = list(pooled[0]["policies"])
     for ax, tier in zip(axes[0], tiers, strict=True):
-        for name in pooled[0]["policies"]:
-            rates = [p["rate_per_s"] for p in pooled]
+        for i, name in enumerate(names):
+            dodge = 1 + 0.015 * (i - (len(names) - 1) / 2)  # bars side by side, not on top
+            rates = [p["rate_per_s"] * dodge for p in pooled]
             cells = [p["policies"][name]["tiers"][tier] for p in pooled]
             shares = [c["attainment"] for c in cells]
             bars = [[s - c["ci95"][0] for s, c in zip(shares, cells, strict=True)],

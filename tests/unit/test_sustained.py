@@ -54,6 +54,8 @@ def test_the_bench_command_runs_sustained_points_per_seed(tmp_path):
             "--plot", str(tmp_path / "bench.png")]  # fmt: skip
     assert main(args) == 0
     assert (tmp_path / "bench_sustained.png").stat().st_size > 0
+    tables = (tmp_path / "bench_sustained.md").read_text()
+    assert "| 0 | 2 |" in tables and "| flowprefill |" in tables
     result = json.loads(out.read_text())["sustained"]
     assert [(p["seed"], p["factor"]) for p in result["points"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     for point in result["points"]:
