@@ -243,15 +243,9 @@ def main(cfg: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) 
     if cfg.smoke:
         mark_smoke(result, console)
     write_json(result, json_path, console)
-    if "sustained" in result and json_path:
-        tables = json_path.with_name(json_path.stem + "_sustained.md")
-        tables.write_text(sustained.markdown(result["sustained"]))
-        console.print(f"wrote {tables}")
     if png_path:
         plot_ttft_cdfs(result, png_path)
         console.print(f"wrote {png_path}")
-        if "sustained" in result:
-            sustained_png = png_path.with_name(png_path.stem + "_sustained.png")
-            sustained.plot_sustained(result["sustained"], sustained_png)
-            console.print(f"wrote {sustained_png}")
+    if "sustained" in result:
+        sustained.write_outputs(result["sustained"], json_path, png_path, console)
     return result

@@ -1,6 +1,8 @@
 """`tierflow pool RUN.json ...`: several `tierflow bench` runs (seeds, trace windows) pooled.
 
 - the SLO sensitivity curves of a tier over all runs (``bench.slo_curves``);
+- the sustained-rate points of the runs side by side, when they have any
+  (``bench.sustained.merged``): goodput and attainment per rate over every seed measured;
 - the lower tiers' throughput loss as FlowPrefill defines it: their completed tokens per
   wall-clock second under each policy against fifo on the same arrivals, one ratio per run,
   with the mean's 95% t interval over the runs (each run is one sample: its makespan, not its
@@ -16,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import slo_curves
+from bench import slo_curves, sustained
 from bench.metrics import mean_interval
 from bench.report import write_json
 
@@ -71,5 +73,10 @@ def main(paths: list[Path], tier: str, json_path: Path | None, png_path: Path | 
     }
     slo_curves.report(pooled["slo_sensitivity"], console, png_path)
     render_throughput(pooled["lower_tier_vs_fifo"], console)
+    points = sustained.merged(results)
+    if points is not None:
+        pooled["sustained"] = points
+        sustained.render(points, console)
+        sustained.write_outputs(points, json_path, png_path, console)
     write_json(pooled, json_path, console)
     return pooled

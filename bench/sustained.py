@@ -113,6 +113,10 @@ def run(
                     "policies": {name: judge(s) for name, s in summaries.items()},
                 }
             )
+    return summarise(points, seeds, target, min_critical)
+
+
+def summarise(points: list[dict], seeds: tuple[int, ...], target: float, min_critical: int) -> dict:
     policies = list(points[0]["policies"]) if points else []
     return {
         "target": target,
@@ -121,6 +125,38 @@ def run(
         "pooled": pooled_over_seeds(points),
         "goodput_req_s": {name: _spread(points, name, seeds, target) for name in policies},
     }
+
+
+def merged(results: list[dict]) -> dict | None:
+    """The sustained points of several ``tierflow bench`` runs as one result (``tierflow
+    pool``), for a measurement too long for one command: say one policy and one seed per run.
+    A point (seed, rate factor) has the same arrivals in every run, so the policies measured on
+    it in different runs stand side by side. A point that lacks a policy that others have is
+    left out of the tables and listed under ``incomplete_points``."""
+    parts = [r["sustained"] for r in results if r.get("sustained")]
+    if not parts:
+        return None
+    if len({(p["target"], p["min_critical"]) for p in parts}) > 1:
+        raise ValueError("sustained runs with different targets or min_critical do not pool")
+    by_point: dict[tuple[int, float], dict] = {}
+    for point in (point for part in parts for point in part["points"]):
+        key = (point["seed"], point["factor"])
+        into = by_point.setdefault(key, {**point, "policies": {}})
+        if into["requests"] != point["requests"]:
+            raise ValueError(f"seed {key[0]} x{key[1]:g}: two runs had different arrivals")
+        if set(into["policies"]) & set(point["policies"]):
+            raise ValueError(f"seed {key[0]} x{key[1]:g}: a policy was measured twice")
+        into["policies"].update(point["policies"])
+    names = list(dict.fromkeys(n for p in by_point.values() for n in p["policies"]))
+    complete, incomplete = [], []
+    for key, point in sorted(by_point.items()):
+        if set(point["policies"]) == set(names):
+            complete.append({**point, "policies": {n: point["policies"][n] for n in names}})
+        else:
+            incomplete.append(list(key))
+    seeds = tuple(sorted({p["seed"] for p in complete}))
+    result = summarise(complete, seeds, parts[0]["target"], parts[0]["min_critical"])
+    return {**result, "incomplete_points": incomplete}
 
 
 def pooled_over_seeds(points: list[dict]) -> list[dict]:
@@ -204,6 +240,9 @@ def markdown(result: dict) -> str:
     for name, g in result["goodput_req_s"].items():
         seeds = ", ".join(f"{v:.2f}" for v in g["per_seed"].values())
         lines.append(f"| {name} | {seeds} | {g['mean']:.2f} | {g['min']:.2f}-{g['max']:.2f} |")
+    if result.get("incomplete_points"):
+        left = ", ".join(f"seed {seed} x{factor:g}" for seed, factor in result["incomplete_points"])
+        lines += ["", f"Left out, not measured under every policy: {left}."]
     lines += ["", "**Per seed and rate** (met/n, lower bound)", "",
               "| seed | x | req/s | policy " + head + " busy | lower tiers tok/s |",
               "|---|---|---|---" + rule + "---|---|"]  # fmt: skip
@@ -218,6 +257,20 @@ def markdown(result: dict) -> str:
                 f"{cells} | {p['busy_fraction']:.0%} | {p['lower_tier_completed_tok_s']:.0f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def write_outputs(
+    result: dict, json_path: Path | None, png_path: Path | None, console: Console
+) -> None:
+    """Next to the run's JSON and PNG: ``<json>_sustained.md`` and ``<png>_sustained.png``."""
+    if json_path:
+        tables = json_path.with_name(json_path.stem + "_sustained.md")
+        tables.write_text(markdown(result))
+        console.print(f"wrote {tables}")
+    if png_path and result["pooled"]:
+        plot = png_path.with_name(png_path.stem + "_sustained.png")
+        plot_sustained(result, plot)
+        console.print(f"wrote {plot}")
 
 
 def _share(tier: dict) -> str:

@@ -395,8 +395,8 @@ def _add_pool(sub) -> None:
     s = sub.add_parser(
         "pool",
         help="`tierflow bench` JSONs (seeds, trace windows) pooled: a tier's TTFT attainment "
-        "against its SLO (1.2x-20x isolated TTFT) per policy, and the lower tiers' throughput "
-        "against fifo with a 95%% interval",
+        "against its SLO (1.2x-20x isolated TTFT) per policy, the lower tiers' throughput "
+        "against fifo with a 95%% interval, and their sustained-rate points side by side",
     )
     s.add_argument("runs", type=Path, nargs="+", help="`tierflow bench --json` files")
     s.add_argument("--tier", default="critical")

@@ -3,6 +3,8 @@ lower bounds, the first failing point ends a seed's goodput."""
 
 import json
 
+import pytest
+
 from bench import sustained
 from bench.sustained import goodput, judge, sustained_workload
 from launch.cli import main
@@ -70,3 +72,57 @@ def test_the_bench_command_runs_sustained_points_per_seed(tmp_path):
         sum(t["met"] for t in per_seed),
         sum(t["n"] for t in per_seed),
     )
+    # The same points measured one policy per run, then pooled: the same tables.
+    whole = json.loads(out.read_text())
+    runs = []
+    for name in ("fifo", "flowprefill"):
+        part = json.loads(out.read_text())
+        for point in part["sustained"]["points"]:
+            point["policies"] = {name: point["policies"][name]}
+        runs.append(tmp_path / f"{name}.json")
+        runs[-1].write_text(json.dumps(part))
+    pooled = tmp_path / "pooled.json"
+    args = ["pool", *map(str, runs), "--json", str(pooled), "--plot", str(tmp_path / "p.png")]
+    assert main(args) == 0
+    again = json.loads(pooled.read_text())["sustained"]
+    for key in ("points", "pooled", "goodput_req_s"):
+        assert again[key] == whole["sustained"][key]
+    assert again["incomplete_points"] == []
+    assert (tmp_path / "p_sustained.png").stat().st_size > 0
+    assert (tmp_path / "pooled_sustained.md").read_text() == tables
+
+
+def one_point(seed: int, factor: float, requests: int, policy: str, met: int) -> dict:
+    judged = judge(summary([50.0] * met, n=100))
+    return {"seed": seed, "factor": factor, "requests": requests, "rate_per_s": factor,
+            "policies": {policy: judged}}  # fmt: skip
+
+
+def bench_run(*points: dict) -> dict:
+    return {"sustained": {"target": 0.9, "min_critical": 100, "points": list(points)}}
+
+
+def test_runs_of_one_policy_each_are_pooled_point_by_point():
+    a = bench_run(one_point(0, 1, 300, "a", 99), one_point(1, 1, 280, "a", 97))
+    b = bench_run(one_point(0, 1, 300, "b", 60), one_point(0, 2, 500, "a", 99))
+    result = sustained.merged([a, b, {"policies": {}}])  # a run without sustained points
+    assert [(p["seed"], p["factor"], list(p["policies"])) for p in result["points"]] == [
+        (0, 1, ["a", "b"])
+    ]
+    # Seed 1 x1 lacks b, seed 0 x2 lacks b: left out, and said so.
+    assert result["incomplete_points"] == [[0, 2], [1, 1]]
+    assert result["goodput_req_s"]["a"]["per_seed"] == {"0": 1}
+    assert result["goodput_req_s"]["b"]["per_seed"] == {"0": 0.0}
+    assert sustained.merged([{"policies": {}}]) is None
+
+
+def test_pooling_refuses_points_that_do_not_belong_together():
+    a = bench_run(one_point(0, 1, 300, "a", 99))
+    with pytest.raises(ValueError, match="different arrivals"):
+        sustained.merged([a, bench_run(one_point(0, 1, 301, "b", 99))])
+    with pytest.raises(ValueError, match="measured twice"):
+        sustained.merged([a, bench_run(one_point(0, 1, 300, "a", 98))])
+    other = bench_run(one_point(0, 1, 300, "b", 99))
+    other["sustained"]["target"] = 0.95
+    with pytest.raises(ValueError, match="different targets"):
+        sustained.merged([a, other])
