@@ -31,7 +31,7 @@ from rich.table import Table
 from transformers import DynamicCache
 
 from bench.engine_bench import LayerTimer
-from bench.metrics import percentile
+from bench.metrics import mean_interval, percentile
 from bench.report import mark_smoke, write_json
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig
@@ -60,7 +60,10 @@ class BatchBenchConfig:
     slot_check: str = "half"
     # More targets, each a point on the slotter's trade-off: TBT against prefill slowdown.
     tbt_sweep_s: tuple[float, ...] = (0.3, 0.5, 0.7, 1.0)
-    repeats: int = 3  # prefills per TBT mode (samples pooled; prefill times: median)
+    # Prefills per TBT mode: TBT samples pooled; the slowdown is the mean of the paired ratios
+    # (each prefill with decoders over the same run's prefill alone just before it), with its
+    # 95% t interval, as this machine's noise moves single prefill times by 10-25%.
+    repeats: int = 6
     seed: int = 0
     device: str | None = None
     smoke: bool = False  # a quick run: said in the output and the JSON
@@ -72,7 +75,7 @@ class BatchBenchConfig:
             decode_steps=12,
             prefill_tokens=2048,
             prefill_chunk=1024,
-            repeats=1,
+            repeats=2,
             tbt_sweep_s=(0.5,),
             smoke=True,
         )
@@ -227,7 +230,8 @@ def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, de
 
 def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> dict[str, dict]:
     """Per run (the three modes, then ``layer@<target>`` for each swept target): the decoders'
-    TBT p50 / p99 in ms and the prefill's slowdown (with decode / alone, medians). Each run
+    TBT p50 / p99 in ms and the prefill's slowdown (with decode / alone: the mean of the paired
+    ratios and its 95% interval). Each run
     keeps one slotter over its prefills; the prefill alone goes first, so the slotter has seen
     the operators once before decoders wait on it (a worker's slotter has seen many)."""
     vocab = model.config.vocab_size
@@ -256,15 +260,18 @@ def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> di
             samples, seconds = tbt_run(engine, slotters[name], mode, long_ids, decoders)
             intervals[name] += samples
             with_decode[name].append(seconds)
-    return {
-        name: {
+    out = {}
+    for name, s in intervals.items():
+        ratios = [w / a for w, a in zip(with_decode[name], alone[name], strict=True)]
+        out[name] = {
             "p50": percentile(s, 50) * 1000,
             "p99": percentile(s, 99) * 1000,
-            "slowdown": statistics.median(with_decode[name]) / statistics.median(alone[name]),
+            "slowdown": statistics.fmean(ratios),
+            "slowdown_ci95": list(mean_interval(ratios)) if len(ratios) > 1 else None,
+            "prefills": len(ratios),
             "samples": len(s),
         }
-        for name, s in intervals.items()
-    }
+    return out
 
 
 def tightest_tbt_target_s() -> float:
@@ -309,6 +316,8 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
             m: {k: runs[m][k] for k in ("p50", "p99", "samples")} for m in modes
         },
         "prefill_slowdown": {m: runs[m]["slowdown"] for m in ("chunk", "layer")},
+        "prefill_slowdown_ci95": {m: runs[m]["slowdown_ci95"] for m in ("chunk", "layer")},
+        "prefills_per_run": cfg.repeats,
         "layer_sweep": [
             {"target_ms": target * 1000, **runs[f"layer@{target:g}"]} for target in cfg.tbt_sweep_s
         ],
@@ -322,7 +331,8 @@ def render_table(result: dict, console: Console) -> None:
     head.add_row("largest layer", f"{result['max_layer_ms']:.1f} ms")
     head.add_row("decode step (the TBT decoders)", f"{result['decode_step_ms']:.1f} ms")
     for mode, ratio in result["prefill_slowdown"].items():
-        head.add_row(f"prefill slowdown, decode slotted ({mode})", f"{ratio:.3f}x")
+        ci = _interval(result["prefill_slowdown_ci95"][mode])
+        head.add_row(f"prefill slowdown, decode slotted ({mode})", f"{ratio:.3f}x {ci}")
     console.print(head)
     decode = Table(title="decode throughput (tokens/s)")
     for column in ("B", "engine", "raw transformers", "engine / raw", "engine / B=1"):
@@ -342,23 +352,31 @@ def render_table(result: dict, console: Console) -> None:
     console.print(tbt)
     chunk = result["tbt_during_prefill_ms"]["chunk"]
     sweep = Table(title="the slotter's trade-off: TBT target against prefill slowdown")
-    for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "prefill slowdown"):
+    for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "prefill slowdown",
+                   "95% interval"):  # fmt: skip
         sweep.add_column(column, justify="right")
     sweep.add_row(
         "chunk (one step per chunk)", "-", f"{chunk['p50']:.0f}", f"{chunk['p99']:.0f}",
         f"{result['prefill_slowdown']['chunk']:.3f}x",
+        _interval(result["prefill_slowdown_ci95"]["chunk"]),
     )  # fmt: skip
     points = [
         {"target_ms": result["tbt_target_ms"], **result["tbt_during_prefill_ms"]["layer"],
-         "slowdown": result["prefill_slowdown"]["layer"]},
+         "slowdown": result["prefill_slowdown"]["layer"],
+         "slowdown_ci95": result["prefill_slowdown_ci95"]["layer"]},
         *result["layer_sweep"],
     ]  # fmt: skip
     for point in sorted(points, key=lambda p: p["target_ms"]):
         sweep.add_row(
             f"slotted ({result['slot_check']})", f"{point['target_ms']:.0f}",
             f"{point['p50']:.0f}", f"{point['p99']:.0f}", f"{point['slowdown']:.3f}x",
+            _interval(point["slowdown_ci95"]),
         )  # fmt: skip
     console.print(sweep)
+
+
+def _interval(ci: list[float] | None) -> str:
+    return f"({ci[0]:.3f}-{ci[1]:.3f})" if ci else "(one prefill)"
 
 
 def main(cfg: BatchBenchConfig, json_path: Path | None) -> dict:

@@ -115,7 +115,8 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result) == {
         "model", "max_layer_ms", "decode_step_ms", "decode", "tbt_during_prefill_ms",
-        "prefill_slowdown", "tbt_target_ms", "slot_check", "layer_sweep",
+        "prefill_slowdown", "prefill_slowdown_ci95", "prefills_per_run", "tbt_target_ms",
+        "slot_check", "layer_sweep",
     }  # fmt: skip
     assert result["tbt_target_ms"] == 400.0  # the tightest tier's tbt_slo_s (critical)
     assert [p["target_ms"] for p in result["layer_sweep"]] == [500.0]
@@ -129,4 +130,9 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
         assert set(row) == {"p50", "p99", "samples"} and 0 < row["p50"] <= row["p99"]
         assert row["samples"] > 0
     assert set(result["prefill_slowdown"]) == {"chunk", "layer"}
+    # Two prefills per run in a quick run: a paired ratio each, the mean inside its interval.
+    assert result["prefills_per_run"] == 2
+    for mode, (low, high) in result["prefill_slowdown_ci95"].items():
+        assert low <= result["prefill_slowdown"][mode] <= high
+    assert all(p["prefills"] == 2 and p["slowdown_ci95"] for p in result["layer_sweep"])
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0
