@@ -220,13 +220,16 @@ def render(result: dict, console: Console) -> None:
     console.print(good)
 
 
+def tiers_of(result: dict) -> list[str]:
+    """The tiers in the result's points, in the mix's order (none without points)."""
+    if not result["pooled"]:
+        return []
+    return list(next(iter(result["pooled"][0]["policies"].values()))["tiers"])
+
+
 def markdown(result: dict) -> str:
     """The pooled, goodput and per-point tables, as docs/results.md shows them."""
-    tiers = (
-        list(next(iter(result["pooled"][0]["policies"].values()))["tiers"])
-        if result["pooled"]
-        else []
-    )
+    tiers = tiers_of(result)
     head = "| " + " | ".join(tiers) + " |"
     rule = "|---" * len(tiers) + "|"
     lines = ["**Per rate, seeds pooled** (met/n, share, 95% Wilson interval)", "",
@@ -289,7 +292,7 @@ def plot_sustained(result: dict, path: Path) -> None:
     from bench.report import POLICY_COLOURS
 
     pooled = result["pooled"]
-    tiers = list(next(iter(pooled[0]["policies"].values()))["tiers"])
+    tiers = tiers_of(result)
     fig, axes = plt.subplots(1, len(tiers), figsize=(4.2 * len(tiers), 4), squeeze=False)
     names = list(pooled[0]["policies"])
     for ax, tier in zip(axes[0], tiers, strict=True):
