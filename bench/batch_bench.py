@@ -231,9 +231,9 @@ def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, de
 def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> dict[str, dict]:
     """Per run (the three modes, then ``layer@<target>`` for each swept target): the decoders'
     TBT p50 / p99 in ms and the prefill's slowdown (with decode / alone: the mean of the paired
-    ratios and its 95% interval). Each run
-    keeps one slotter over its prefills; the prefill alone goes first, so the slotter has seen
-    the operators once before decoders wait on it (a worker's slotter has seen many)."""
+    ratios and its 95% interval). Each run keeps one slotter over its prefills; the prefill
+    alone goes first, so the slotter has seen the operators once before decoders wait on it (a
+    worker's slotter has seen many)."""
     vocab = model.config.vocab_size
     long_ids = _ids(rng, cfg.prefill_tokens, vocab)
     decoders = [_ids(rng, cfg.context_tokens, vocab) for _ in range(cfg.decoders)]
