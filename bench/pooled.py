@@ -73,10 +73,10 @@ def main(paths: list[Path], tier: str, json_path: Path | None, png_path: Path | 
     }
     slo_curves.report(pooled["slo_sensitivity"], console, png_path)
     render_throughput(pooled["lower_tier_vs_fifo"], console)
-    points = sustained.merged(results)
-    if points is not None:
-        pooled["sustained"] = points
-        sustained.render(points, console)
-        sustained.write_outputs(points, json_path, png_path, console)
+    side_by_side = sustained.merged(results)
+    if side_by_side is not None:
+        pooled["sustained"] = side_by_side
+        sustained.render(side_by_side, console)
+        sustained.write_outputs(side_by_side, json_path, png_path, console)
     write_json(pooled, json_path, console)
     return pooled
