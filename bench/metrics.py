@@ -19,8 +19,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def summarise(result: RunResult, tiers: TierTable) -> dict:
-    """The per-policy block of the benchmark JSON (see README, "Policy benchmark")."""
+def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = None) -> dict:
+    """The per-policy block of the benchmark JSON (see README, "Policy benchmark").
+    ``starvation_s``: the scheduler's aging threshold, to count the requests that reached it
+    (when the caller knows it; the count is None otherwise)."""
     per_tier: dict[str, dict] = {}
     records = list(result.records.values())
     wall = result.makespan_s
@@ -45,6 +47,9 @@ def summarise(result: RunResult, tiers: TierTable) -> dict:
                 q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))
             },
             "preemptions": sum(r.preemptions for r in mine),
+            # Waited the aging threshold before their first token: from then on the scheduler
+            # put them first in line and no longer preempted them.
+            "aged": None if starvation_s is None else sum(t >= starvation_s * 1000 for t in ttfts),
             "completed_tok_s": _completed_tokens(accepted) / wall if wall else 0.0,
             "ttft_samples_ms": sorted(ttfts),
             **_tbt(accepted, tier.tbt_slo_s),

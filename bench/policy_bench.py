@@ -142,11 +142,12 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
     for name in cfg.policies:
         bar = progress.add_task(f"{label}{name}", total=len(workload.arrivals))
         engines = make_engines(model, name, cfg, workload)
+        scheduler_cfg = SchedulerConfig()
         scheduler = Scheduler(
             make_policy(name),
             tiers,
             PrefillTimePredictor.from_json(predictor_json),  # same start for every policy
-            SchedulerConfig(),
+            scheduler_cfg,
         )
         result = run_policy(
             scheduler,
@@ -156,7 +157,7 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
             on_progress=lambda b=bar: progress.advance(b),
         )
         progress.update(bar, completed=len(workload.arrivals))
-        summaries[name] = summarise(result, tiers)
+        summaries[name] = summarise(result, tiers, scheduler_cfg.starvation_s)
         summaries[name]["engine"] = {
             "chunk_size": engines[0].config.chunk_size,
             "check": engines[0].config.check,

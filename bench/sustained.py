@@ -9,7 +9,8 @@ at admission or failed is a miss), with its 95% Wilson interval. A policy's good
 the highest rate up to which, at every point, each tier's interval lower bound met ``target``
 (the first failing point ends it). The seeds' goodputs give the spread. Include a factor at
 which the engine saturates: there the scheduler sheds the sheddable tier and ages starved work,
-and the table shows what that leaves of each tier.
+and the tables show what that leaves of each tier, with how many requests were shed and how many
+reached the aging threshold.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def judge(summary: dict) -> dict:
         tiers[name] = {
             "met": met, "n": t["n"], "rejected": t["rejected"], "attainment": met / t["n"],
             "ci95": list(wilson_interval(met, t["n"])),
+            "aged": t.get("aged"),  # None: a run from before the bench counted them
         }  # fmt: skip
     return {
         "tiers": tiers,
@@ -197,7 +199,8 @@ def render(result: dict, console: Console) -> None:
         title=f"sustained rates: each tier's share within its SLO (95% interval); goodput needs "
         f"every lower bound >= {result['target']:.0%}"
     )
-    for column in ("seed", "x", "req/s", "policy", "tiers (met/n, lower bound)", "busy"):
+    columns = ("seed", "x", "req/s", "policy", "tiers (met/n, lower bound)", "busy", "shed / aged")
+    for column in columns:
         table.add_column(
             column, justify="left" if column.startswith(("policy", "tiers")) else "right"
         )
@@ -208,7 +211,7 @@ def render(result: dict, console: Console) -> None:
             )
             table.add_row(
                 str(point["seed"]), f"{point['factor']:g}", f"{point['rate_per_s']:.2f}", name,
-                tiers, f"{p['busy_fraction']:.0%}",
+                tiers, f"{p['busy_fraction']:.0%}", shed_and_aged(p),
             )  # fmt: skip
     console.print(table)
     good = Table(title="goodput at sustained rates (req/s) per seed")
@@ -218,6 +221,15 @@ def render(result: dict, console: Console) -> None:
         seeds = " ".join(f"{v:.2f}" for v in g["per_seed"].values())
         good.add_row(name, seeds, f"{g['mean']:.2f}", f"{g['min']:.2f}-{g['max']:.2f}")
     console.print(good)
+
+
+def shed_and_aged(point_policy: dict) -> str:
+    """Requests refused at admission, and those that reached the aging threshold, over all
+    tiers: what overload did at this point."""
+    tiers = point_policy["tiers"].values()
+    shed = sum(t["rejected"] for t in tiers)
+    aged = [t.get("aged") for t in tiers]
+    return f"{shed} / {'-' if None in aged else sum(aged)}"
 
 
 def tiers_of(result: dict) -> list[str]:
@@ -247,8 +259,8 @@ def markdown(result: dict) -> str:
         left = ", ".join(f"seed {seed} x{factor:g}" for seed, factor in result["incomplete_points"])
         lines += ["", f"Left out, not measured under every policy: {left}."]
     lines += ["", "**Per seed and rate** (met/n, lower bound)", "",
-              "| seed | x | req/s | policy " + head + " busy | lower tiers tok/s |",
-              "|---|---|---|---" + rule + "---|---|"]  # fmt: skip
+              "| seed | x | req/s | policy " + head + " busy | lower tiers tok/s | shed / aged |",
+              "|---|---|---|---" + rule + "---|---|---|"]  # fmt: skip
     for point in result["points"]:
         for name, p in point["policies"].items():
             cells = " | ".join(
@@ -257,7 +269,8 @@ def markdown(result: dict) -> str:
             )
             lines.append(
                 f"| {point['seed']} | {point['factor']:g} | {point['rate_per_s']:.2f} | {name} | "
-                f"{cells} | {p['busy_fraction']:.0%} | {p['lower_tier_completed_tok_s']:.0f} |"
+                f"{cells} | {p['busy_fraction']:.0%} | {p['lower_tier_completed_tok_s']:.0f} | "
+                f"{shed_and_aged(p)} |"
             )
     return "\n".join(lines) + "\n"
 

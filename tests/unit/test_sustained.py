@@ -126,3 +126,23 @@ def test_pooling_refuses_points_that_do_not_belong_together():
     other["sustained"]["target"] = 0.95
     with pytest.raises(ValueError, match="different targets"):
         sustained.merged([a, other])
+
+
+def test_a_point_counts_the_shed_and_the_requests_that_reached_the_aging_threshold():
+    from bench.harness import RequestRecord, RunResult
+    from bench.metrics import summarise
+    from bench.workload import Arrival
+    from tierflow.tiers import load_tiers
+
+    def record(i: int, ttft_s: float | None, rejected: str | None = None) -> RequestRecord:
+        arrival = Arrival(0.0, f"r{i}", "batch", 100)
+        first = None if ttft_s is None else 10.0 + ttft_s
+        return RequestRecord(arrival, 10.0, first, first, rejected=rejected)
+
+    records = [record(0, 5.0), record(1, 299.0), record(2, 301.0), record(3, None, "shed")]
+    result = RunResult("p", {r.arrival.request_id: r for r in records}, makespan_s=400.0)
+    judged = judge(summarise(result, load_tiers(), starvation_s=300.0))
+    assert (judged["tiers"]["batch"]["aged"], judged["tiers"]["batch"]["rejected"]) == (1, 1)
+    assert sustained.shed_and_aged(judged) == "1 / 1"
+    before = {"tiers": {"batch": {**judged["tiers"]["batch"], "aged": None}}}
+    assert sustained.shed_and_aged(before) == "1 / -"  # not counted is not zero
