@@ -325,7 +325,9 @@ def plot_sustained(result: dict, path: Path) -> None:
         ax.set_ylim(0, 1.02)
     axes[0][0].set_ylabel("share within the SLO (all seeds)")
     axes[0][-1].legend(loc="lower left", fontsize=8)
-    fig.suptitle(f"sustained rates, {pooled[0]['seeds']} seed(s) pooled; 95% intervals")
+    counts = sorted({p["seeds"] for p in pooled})
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    fig.suptitle(f"sustained rates, {seeds} seed(s) pooled per rate; 95% intervals")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
