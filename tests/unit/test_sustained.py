@@ -6,8 +6,12 @@ import json
 import pytest
 
 from bench import sustained
+from bench.harness import RequestRecord, RunResult
+from bench.metrics import summarise
 from bench.sustained import goodput, judge, sustained_workload
+from bench.workload import Arrival
 from launch.cli import main
+from tierflow.tiers import load_tiers
 
 
 def test_each_point_is_fresh_poisson_arrivals_with_enough_critical_requests():
@@ -129,11 +133,6 @@ def test_pooling_refuses_points_that_do_not_belong_together():
 
 
 def test_a_point_counts_the_shed_and_the_requests_that_reached_the_aging_threshold():
-    from bench.harness import RequestRecord, RunResult
-    from bench.metrics import summarise
-    from bench.workload import Arrival
-    from tierflow.tiers import load_tiers
-
     def record(i: int, ttft_s: float | None, rejected: str | None = None) -> RequestRecord:
         arrival = Arrival(0.0, f"r{i}", "batch", 100)
         first = None if ttft_s is None else 10.0 + ttft_s
