@@ -7,12 +7,14 @@ machine than one forward each. A pack is formed only when:
 
 - every member is a short, fresh prompt (``max_pack_tokens`` together, no state anywhere, no
   token produced yet: a dropped decode recomputes alone), and the worker has a KV slot for each;
-- members are the ones next in the policy's order (requests placed on other workers are
-  skipped; the first one that cannot be packed ends the pack), so packing never lets a request
-  overtake one ranked before it, it only merges consecutive prefills;
+- members are taken in the policy's order (requests placed on other workers are skipped). A
+  prefill that cannot be packed (a suspended one, a long prompt) is passed over only while the
+  pack still lets it make its deadline when it starts after the pack; otherwise, and at a
+  decoding request, the pack ends. Passing matters under preemption: a suspended lower-tier
+  prefill ranked between short fresh prompts would otherwise keep every one of them alone;
 - the pack's predicted time, inflated by the predictor's error margin, still meets the
   tightest deadline among its members (members that would miss theirs even alone, and so gain
-  nothing from waiting, do not constrain it).
+  nothing from waiting, do not constrain it; the same for the requests passed over).
 
 The pack's cost is learnt (``PackCost``): packed prefills are measured like single ones and fit
 with the same model over the pack's total tokens; until enough packs were measured the
@@ -86,16 +88,20 @@ def choose_pack(
         return []
     free_slots = worker.kv_slots - worker.held - 1  # the head's slot is not counted yet
     margin = estimator.errors.margin()
-    members, tokens = [head], head.prompt_tokens
+    members, tokens, passed = [head], head.prompt_tokens, []
     for req in ranked[ranked.index(head) + 1 :]:
         if req.request_id in placed or not req.waiting:
             continue  # starts elsewhere now (alone or in a pack): not in this worker's line
-        if len(members) >= limits.max_size or free_slots < len(members):
+        if len(members) >= limits.max_size or free_slots < len(members) or req.prefilled:
             break
         if not packable(req, limits) or tokens + req.prompt_tokens > limits.max_tokens:
-            break
+            passed.append(req)  # next in this worker's line after the pack, if it can wait
+            continue
+        before = now + cost.predict(tokens) * (1.0 + margin)
         finish = now + cost.predict(tokens + req.prompt_tokens) * (1.0 + margin)
         if not _meets_deadlines([*members, req], finish, estimator, margin, now):
+            break
+        if not _can_wait(passed, before, finish, estimator, margin, now):
             break
         members.append(req)
         tokens += req.prompt_tokens
@@ -109,6 +115,23 @@ def _meets_deadlines(
         alone = now + estimator.prefill_left(req, now) * (1.0 + margin)
         if alone <= req.deadline_s < finish:
             return False  # it would make it alone, and not in the pack
+    return True
+
+
+def _can_wait(
+    passed: Iterable[Request],
+    before: float,
+    finish: float,
+    estimator: Estimator,
+    margin: float,
+    now: float,
+) -> bool:
+    """Whether the requests passed over, each starting once the pack is done, still make the
+    deadlines they would make after the pack without its newest member (``before``)."""
+    for req in passed:
+        own = estimator.prefill_left(req, now) * (1.0 + margin)
+        if before + own <= req.deadline_s < finish + own:
+            return False
     return True
 
 

@@ -79,19 +79,46 @@ def test_a_pack_ends_before_a_member_whose_deadline_it_would_break():
     assert first_token(sched, "long", 0.5) == [AssignPacked(("c", "s1", "s2"), "w0")]
 
 
-def test_packing_never_lets_a_request_overtake_one_ranked_before_it():
+def test_a_prefill_that_cannot_be_packed_is_passed_over_only_while_it_makes_its_deadline():
     sched = batched(policy="priority", max_pack_tokens=512)
     busy_with(sched)
     assert arrive(sched, "a", "standard", 100, 0.1) == []
-    assert arrive(sched, "big", "standard", 600, 0.2) == []  # too long to pack: ends the pack
+    assert arrive(sched, "big", "standard", 600, 0.2) == []  # too long to pack
     assert arrive(sched, "b", "standard", 100, 0.3) == []
-    assert first_token(sched, "long", 0.4) == [Assign("a", "w0")]
+    # a + b done at 0.64, then big's 0.72 s: 1.36, inside its deadline (5.2): it is passed.
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
+    # 3850 tokens: 4.62 s. After a alone (0.52) big makes 5.2; after a + b (0.64) it would
+    # not: the pack ends before b, and big goes next.
+    tight = batched(policy="priority", max_pack_tokens=512)
+    busy_with(tight)
+    assert arrive(tight, "a", "standard", 100, 0.1) == []
+    assert arrive(tight, "big", "standard", 3850, 0.2) == []
+    assert arrive(tight, "b", "standard", 100, 0.3) == []
+    assert first_token(tight, "long", 0.4) == [Assign("a", "w0")]
+    assert first_token(tight, "a", 0.52) == [Assign("big", "w0")]
     # Limits: at most max_pack_size requests and max_pack_tokens tokens together.
     small = batched(max_pack_size=2)
     busy_with(small)
     for i, rid in enumerate("xyz"):
         assert arrive(small, rid, "standard", 50, 0.1 + 0.01 * i) == []
     assert first_token(small, "long", 0.4) == [AssignPacked(("x", "y"), "w0")]
+
+
+def test_short_prompts_pack_past_a_suspended_prefill_ranked_between_them():
+    """EDF ranks a suspended batch prefill before the batch prompts that arrived after it: the
+    fresh ones still pack, with the standard prompt placed first, as the suspended one can
+    wait for them and still make its deadline."""
+    sched = batched()
+    assert arrive(sched, "bg", "batch", 2000, 0.0) == [Assign("bg", "w0")]
+    assert arrive(sched, "c", "critical", 500, 0.1) == [Preempt("bg", "w0", False)]
+    assert step(sched, PreemptionAcked("bg", "w0", 300, False), 0.15) == [Assign("c", "w0")]
+    assert arrive(sched, "s", "standard", 100, 0.2) == []
+    for i, rid in enumerate(("x", "y")):
+        assert arrive(sched, rid, "batch", 100, 0.3 + 0.01 * i) == []
+    assert first_token(sched, "c", 0.7, tokens=500) == [AssignPacked(("s", "x", "y"), "w0")]
+    assert sched.suspended()["w0"] == ("bg",)
+    # Once the pack is done the suspended prefill resumes where it stopped.
+    assert first_token(sched, "s", 1.0, pack_tokens=300, prefill_s=0.3) == [Resume("bg", "w0")]
 
 
 def test_no_pack_without_free_kv_slots_nor_on_an_unbatched_worker():
