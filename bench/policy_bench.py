@@ -112,7 +112,12 @@ def make_engines(model, policy_name: str, cfg: PolicyBenchConfig, workload: Work
 def build_workload(cfg: PolicyBenchConfig) -> Workload:
     if cfg.trace is not None:
         return load_trace_workload(cfg.trace, cfg.trace_options)
-    return synthetic(duration_s=cfg.duration_s, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens)
+    return synthetic(
+        duration_s=cfg.duration_s,
+        seed=cfg.seed,
+        max_new_tokens=cfg.max_new_tokens,
+        time_scale=cfg.trace_options.time_scale,  # one stretch for traces and the synthetic mix
+    )
 
 
 def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBenchConfig) -> dict:

@@ -91,9 +91,14 @@ def synthetic(
     duration_s: float = 60.0,
     seed: int = 0,
     max_new_tokens: int = 1,
+    time_scale: float = 1.0,
 ) -> Workload:
     """Poisson arrivals per tier; ``max_new_tokens`` > 1: outputs of ``output_lengths``
-    (else each tier mix's own ``max_new_tokens``)."""
+    (else each tier mix's own ``max_new_tokens``). ``time_scale`` stretches the gaps (2: the
+    same requests at half the rate), so that a slower machine can be given the same load
+    relative to what it serves."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be positive, got {time_scale!r}")
     rng = random.Random(seed)
     arrivals: list[Arrival] = []
     for tier_mix in mix:
@@ -106,9 +111,13 @@ def synthetic(
     if max_new_tokens > 1:
         lengths = output_lengths(len(arrivals), max_new_tokens, seed)
         arrivals = [replace(a, max_new_tokens=n) for a, n in zip(arrivals, lengths, strict=True)]
-    numbered = tuple(replace(a, request_id=f"{a.tier[:4]}-{i:04d}") for i, a in enumerate(arrivals))
+    numbered = tuple(
+        replace(a, request_id=f"{a.tier[:4]}-{i:04d}", at_s=a.at_s * time_scale)
+        for i, a in enumerate(arrivals)
+    )
     outputs = f", outputs <= {max_new_tokens}" if max_new_tokens > 1 else ""
-    return Workload(f"synthetic {duration_s:g}s seed {seed}{outputs}", numbered)
+    scaled = f" x{time_scale:g}" if time_scale != 1.0 else ""
+    return Workload(f"synthetic {duration_s:g}s{scaled} seed {seed}{outputs}", numbered)
 
 
 def prompt_ids(arrival: Arrival, vocab_size: int, seed: int = 0) -> tuple[int, ...]:

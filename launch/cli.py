@@ -366,10 +366,12 @@ def _add_trace_options(b: argparse.ArgumentParser) -> None:
         help="window start in seconds; several, comma-separated: each window, then all together",
     )
     b.add_argument(
+        "--time-scale",
         "--trace-time-scale",
+        dest="trace_time_scale",
         type=float,
         default=1.0,
-        help="stretch inter-arrival gaps (2 = half the rate)",
+        help="stretch inter-arrival gaps of the trace or the synthetic mix (2 = half the rate)",
     )
     b.add_argument(
         "--trace-length-scale",

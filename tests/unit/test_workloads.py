@@ -28,6 +28,19 @@ def test_synthetic_is_deterministic_sorted_and_follows_the_mix():
         assert abs(len(mine) - mix.rate_per_s * 200) < 0.4 * mix.rate_per_s * 200
 
 
+def test_a_time_scale_stretches_the_gaps_of_the_same_requests():
+    base = synthetic(duration_s=60, seed=4, max_new_tokens=128)
+    slow = synthetic(duration_s=60, seed=4, max_new_tokens=128, time_scale=1.7)
+    assert len(slow.arrivals) == len(base.arrivals) and "x1.7" in slow.name
+    for a, b in zip(base.arrivals, slow.arrivals, strict=True):
+        assert b.at_s == pytest.approx(a.at_s * 1.7)
+        assert (b.request_id, b.tier, b.prompt_tokens, b.max_new_tokens) == (
+            a.request_id, a.tier, a.prompt_tokens, a.max_new_tokens,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="time_scale"):
+        synthetic(duration_s=60, time_scale=0)
+
+
 def test_prompt_ids_are_repeatable_and_in_the_vocabulary():
     w = synthetic(duration_s=30, seed=1)
     first = w.arrivals[0]
