@@ -28,7 +28,7 @@ suspends all of it, a resume of any member resumes all of it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from queue_service.scheduler.planner import Estimator
@@ -89,6 +89,7 @@ def choose_pack(
     free_slots = worker.kv_slots - worker.held - 1  # the head's slot is not counted yet
     margin = estimator.errors.margin()
     members, tokens, passed = [head], head.prompt_tokens, []
+    finish = now + cost.predict(tokens) * (1.0 + margin)  # the pack as it stands
     for req in ranked[ranked.index(head) + 1 :]:
         if req.request_id in placed or not req.waiting:
             continue  # starts elsewhere now (alone or in a pack): not in this worker's line
@@ -97,42 +98,34 @@ def choose_pack(
         if not packable(req, limits) or tokens + req.prompt_tokens > limits.max_tokens:
             passed.append(req)  # next in this worker's line after the pack, if it can wait
             continue
-        before = now + cost.predict(tokens) * (1.0 + margin)
-        finish = now + cost.predict(tokens + req.prompt_tokens) * (1.0 + margin)
-        if not _meets_deadlines([*members, req], finish, estimator, margin, now):
-            break
-        if not _can_wait(passed, before, finish, estimator, margin, now):
+        grown = now + cost.predict(tokens + req.prompt_tokens) * (1.0 + margin)
+        if not _keeps_deadlines([*members, req], passed, finish, grown, estimator, margin, now):
             break
         members.append(req)
         tokens += req.prompt_tokens
+        finish = grown
     return members[1:]
 
 
-def _meets_deadlines(
-    members: Iterable[Request], finish: float, estimator: Estimator, margin: float, now: float
-) -> bool:
-    for req in members:
-        alone = now + estimator.prefill_left(req, now) * (1.0 + margin)
-        if alone <= req.deadline_s < finish:
-            return False  # it would make it alone, and not in the pack
-    return True
-
-
-def _can_wait(
-    passed: Iterable[Request],
-    before: float,
+def _keeps_deadlines(
+    members: Sequence[Request],
+    passed: Sequence[Request],
     finish: float,
+    grown: float,
     estimator: Estimator,
     margin: float,
     now: float,
 ) -> bool:
-    """Whether the requests passed over, each starting once the pack is done, still make the
-    deadlines they would make after the pack without its newest member (``before``)."""
-    for req in passed:
-        own = estimator.prefill_left(req, now) * (1.0 + margin)
-        if before + own <= req.deadline_s < finish + own:
-            return False
-    return True
+    """Whether growing the pack (done at ``finish``) into one done at ``grown`` costs no
+    request a deadline it makes otherwise: a member one it makes alone, a request passed over
+    (it starts once the pack is done) one it makes after the smaller pack."""
+
+    def left(req: Request) -> float:
+        return estimator.prefill_left(req, now) * (1.0 + margin)
+
+    done = [(r, now + left(r), grown) for r in members]
+    done += [(r, finish + left(r), grown + left(r)) for r in passed]
+    return not any(without <= req.deadline_s < with_ for req, without, with_ in done)
 
 
 # ---------------------------------------------------------------- a pack's records
