@@ -142,9 +142,36 @@ def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBen
     return result
 
 
+def run_order(policies: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    """The policies in the order they run: rotated by the seed. One run replays the arrivals
+    once per policy, one after another, for minutes each, and this machine's speed drifts by
+    10-25 % over that time; in a fixed order the last policy would always meet the drift's
+    end. Over ``len(policies)`` consecutive seeds every policy runs once in every position,
+    so pooling those seeds cancels a steady drift."""
+    k = seed % len(policies) if policies else 0
+    return tuple(policies[k:] + policies[:k])
+
+
+def speed_probe_ms(model) -> float:
+    """This machine's speed just before a policy's run: the median of 3 prefills of one fixed
+    256-token prompt, in ms. The same work every time, so policies' runs can be compared for
+    the machine they got (reported next to each policy; nothing is scaled by it)."""
+    engine = PrefillEngine(model, EngineConfig(chunk_size=None, check="none"))
+    ids = tuple(3 + (7 * i) % (model.config.vocab_size - 3) for i in range(256))
+    times = []
+    for _ in range(3):
+        task = engine.new_task(GenerationRequest("probe", ids))
+        start = time.perf_counter()
+        engine.run(task, PreemptionChannel())
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
 def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, label) -> dict:
+    """Every policy on ``workload``, in ``run_order``; the summaries in ``cfg.policies``'s
+    order, each with its position in the run and the speed probe taken just before it."""
     summaries = {}
-    for name in cfg.policies:
+    for position, name in enumerate(run_order(tuple(cfg.policies), cfg.seed)):
         bar = progress.add_task(f"{label}{name}", total=len(workload.arrivals))
         engines = make_engines(model, name, cfg, workload)
         scheduler_cfg = SchedulerConfig()
@@ -154,6 +181,7 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
             PrefillTimePredictor.from_json(predictor_json),  # same start for every policy
             scheduler_cfg,
         )
+        probe_ms = speed_probe_ms(model)
         result = run_policy(
             scheduler,
             engines,
@@ -169,7 +197,9 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
             "kv_slots": cfg.kv_slots,
             "max_batch_size": min(cfg.max_batch_size, cfg.kv_slots) if cfg.kv_slots else 1,
         }
-    return summaries
+        summaries[name]["run_position"] = position
+        summaries[name]["speed_probe_ms"] = probe_ms
+    return {name: summaries[name] for name in cfg.policies}
 
 
 def run_policy_bench(

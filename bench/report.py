@@ -95,7 +95,7 @@ def _totals_table(result: dict) -> Table:
     table = _table(
         "per policy",
         ("policy", "engine", "throughput tok/s", "busy", "preemptions", "recomputes",
-         "preempt latency p50/p99 ms", "lost"),
+         "preempt latency p50/p99 ms", "lost", "ran as", "speed probe ms"),
         ("policy", "engine"),
     )  # fmt: skip
     for name, s in result["policies"].items():
@@ -109,8 +109,15 @@ def _totals_table(result: dict) -> Table:
             str(s["recomputes"]),
             f"{lat['p50']:.1f} / {lat['p99']:.1f}",
             str(s["lost"]),
+            _position(s.get("run_position")),
+            f"{s['speed_probe_ms']:.0f}" if "speed_probe_ms" in s else "-",
         )
     return table
+
+
+def _position(position: int | None) -> str:
+    """Which run of the bench this policy's was (older JSON files do not say)."""
+    return "-" if position is None else f"#{position + 1}"
 
 
 def _rates_table(result: dict) -> Table:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from bench.policy_bench import run_order
 from launch.cli import main
 
 
@@ -90,11 +91,15 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
 def test_policy_bench_with_batched_workers_reports_tbt_and_decode(tmp_path):
     out = tmp_path / "batched.json"
     args = ["bench", "--model", "tiny-llama", "--quick", "--duration", "4", "--batch"]
-    args += ["--kv-slots", "6", "--max-new-tokens", "12", "--json", str(out)]
+    args += ["--kv-slots", "6", "--max-new-tokens", "12", "--seed", "2", "--json", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
-    assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
+    # Listed in the usual order, run in the order seed 2 rotates them to, each after a probe.
+    assert list(result["policies"]) == ["fifo", "priority", "chunked", "recompute", "flowprefill"]
+    positions = {name: p["run_position"] for name, p in result["policies"].items()}
+    assert positions == {"chunked": 0, "recompute": 1, "flowprefill": 2, "fifo": 3, "priority": 4}
+    assert all(p["speed_probe_ms"] > 0 for p in result["policies"].values())
     for name, p in result["policies"].items():
         assert p["lost"] == 0 and p["engine"]["kv_slots"] == 6, name
         assert p["output_tok_s"] > 0 and p["completed_tok_s"] > p["output_tok_s"]
@@ -136,3 +141,12 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
         assert low <= result["prefill_slowdown"][mode] <= high
     assert all(p["prefills"] == 2 and p["slowdown_ci95"] for p in result["layer_sweep"])
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0
+
+
+def test_consecutive_seeds_run_every_policy_once_in_every_position():
+    policies = ("fifo", "priority", "chunked", "recompute", "flowprefill")
+    orders = [run_order(policies, seed) for seed in range(3, 3 + len(policies))]
+    assert all(sorted(order) == sorted(policies) for order in orders)
+    for position in range(len(policies)):
+        assert sorted(order[position] for order in orders) == sorted(policies)
+    assert run_order(policies, 0) == policies
