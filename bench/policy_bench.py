@@ -131,22 +131,26 @@ def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBen
         if not mine:
             continue
         median = mine[len(mine) // 2]
-        ids = prompt_ids(median, model.config.vocab_size)
-        times = []
-        for _ in range(3):
-            task = engine.new_task(GenerationRequest("iso", ids))
-            start = time.perf_counter()
-            assert engine.run(task, PreemptionChannel()).status is RunStatus.FINISHED
-            times.append((time.perf_counter() - start) * 1000)
-        result[tier.name] = statistics.median(times)
+        result[tier.name] = median_run_ms(engine, prompt_ids(median, model.config.vocab_size))
     return result
+
+
+def median_run_ms(engine: PrefillEngine, ids, runs: int = 3) -> float:
+    """The median time, in ms, of ``runs`` runs of one prompt (to its first token) alone."""
+    times = []
+    for _ in range(runs):
+        task = engine.new_task(GenerationRequest("alone", ids))
+        start = time.perf_counter()
+        assert engine.run(task, PreemptionChannel()).status is RunStatus.FINISHED
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
 
 
 def run_order(policies: tuple[str, ...], seed: int) -> tuple[str, ...]:
     """The policies in the order they run: rotated by the seed. One run replays the arrivals
     once per policy, one after another, for minutes each, and this machine's speed drifts by
-    10-25 % over that time; in a fixed order the last policy would always meet the drift's
-    end. Over ``len(policies)`` consecutive seeds every policy runs once in every position,
+    tens of percent over that time; in a fixed order the last policy would always meet the
+    drift's end. Over ``len(policies)`` consecutive seeds every policy runs once in every position,
     so pooling those seeds cancels a steady drift."""
     k = seed % len(policies) if policies else 0
     return tuple(policies[k:] + policies[:k])
@@ -157,14 +161,9 @@ def speed_probe_ms(model) -> float:
     256-token prompt, in ms. The same work every time, so policies' runs can be compared for
     the machine they got (reported next to each policy; nothing is scaled by it)."""
     engine = PrefillEngine(model, EngineConfig(chunk_size=None, check="none"))
-    ids = tuple(3 + (7 * i) % (model.config.vocab_size - 3) for i in range(256))
-    times = []
-    for _ in range(3):
-        task = engine.new_task(GenerationRequest("probe", ids))
-        start = time.perf_counter()
-        engine.run(task, PreemptionChannel())
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return median_run_ms(
+        engine, tuple(3 + (7 * i) % (model.config.vocab_size - 3) for i in range(256))
+    )
 
 
 def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, label) -> dict:
