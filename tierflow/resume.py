@@ -11,8 +11,9 @@ The rules a client follows (README, "When the queue service dies"), here for ``t
   "RST_STREAM" from a proxy, a closed connection) lost its connection, not its request.
 - To reattach, send the same request again with the ``request_id`` that ``Queued`` carried: the
   service joins the live request, answers ``Done`` again if it finished, or queues it again
-  (duplicates are recognised by id and never run twice). A request that restarted from scratch
-  streams its tokens again; the tokens the caller already had are skipped here.
+  (duplicates are recognised by id and never run twice). Every stream of a request starts with
+  its tokens from the first (those produced while no client listened too), and a request that
+  restarted from scratch streams them again; the tokens the caller already had are skipped here.
 """
 
 from __future__ import annotations

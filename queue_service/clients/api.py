@@ -75,16 +75,24 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         client_id, request_id = intake.client_id, intake.record.request_id
         known = await self._known_request(intake, context)
         if known is not None and known.outcome is Outcome.DONE:
-            # Idempotent retry of a finished request: answer with its result again.
+            # Idempotent retry of a finished request: its tokens and its result again.
+            for event in self.core.tokens_so_far(known):
+                event.request_id = client_id
+                yield event
             yield self._done_again(known, client_id)
             return
         queue = self.core.open_client(request_id)
+        # Taken with the queue opened and no await in between: every token is in exactly one.
+        joined = [] if known is None else self.core.tokens_so_far(known)
         finished = False
         try:
             if known is None:  # a new request: durable in Kafka before we say Queued
                 yield await self._enqueue(intake, context)
             else:
                 log.info("client joined a live request", request_id=request_id)
+            for event in joined:  # the tokens it produced before this client joined
+                event.request_id = client_id
+                yield event
             deadline = None if intake.timeout_s is None else time.monotonic() + intake.timeout_s
             while True:
                 item = await self._next_item(queue, deadline)

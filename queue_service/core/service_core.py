@@ -166,6 +166,27 @@ class ServiceCore:
     def lookup(self, request_id: str) -> LiveRequest | None:
         return self.live.get(request_id) or self.finished.get(request_id)
 
+    def tokens_so_far(self, live: LiveRequest) -> list[serving_pb2.GenerateEvent]:
+        """The token events ``live`` has produced so far, from its first: what a client that
+        joins it (a reattach, a retry) is sent before anything new, so that tokens produced
+        while no client listened are not lost. A client skips the ones it already had by their
+        position, as after a restart from token 0 (``tierflow.resume``)."""
+        text_step = self.decode_stream()
+        events = []
+        for i, token_id in enumerate(live.output_ids):
+            text = text_step(token_id)
+            if i == 0:
+                ttft_ms = live.timings(self.clock()).ttft_ms
+                event = {
+                    "first_token": serving_pb2.FirstToken(
+                        token_id=token_id, text=text, ttft_ms=ttft_ms
+                    )
+                }
+            else:
+                event = {"token": serving_pb2.Token(token_id=token_id, text=text)}
+            events.append(serving_pb2.GenerateEvent(request_id=live.request_id, **event))
+        return events
+
     # ------------------------------------------------------------------ Kafka deliveries
 
     def on_delivered(self, record: queue_pb2.QueuedRequest, delivery: Any) -> None:

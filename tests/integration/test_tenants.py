@@ -35,6 +35,14 @@ def stack(tmp_path_factory, kafka):
         yield stack
 
 
+def token_ids(events) -> list[int]:
+    return [
+        getattr(e, e.WhichOneof("event")).token_id
+        for e in events
+        if e.WhichOneof("event") in ("first_token", "token")
+    ]
+
+
 def generate(stack, key: str, prompt, request_id: str, **kw) -> list:
     """The events of a Generate call through Envoy with ``key``."""
     with grpc.insecure_channel(stack.target) as channel:
@@ -122,9 +130,11 @@ def test_a_reused_id_never_hands_one_key_another_keys_result(stack):
     # Each key reads its own request under that id.
     assert grpc_status(stack, CRITICAL, "shared-1").usage.prompt_tokens == len(mine)
     assert grpc_status(stack, STANDARD, "shared-1").usage.prompt_tokens == len(theirs)
-    # The same key retrying the same request joins it: its result again, not a second run.
+    # The same key retrying the same request joins it: its tokens and result again, not a second
+    # run (no Queued).
     again = generate(stack, CRITICAL, mine, "shared-1", max_new_tokens=4)
-    assert kinds(again) == ["done"] and again[0].done.text == first[-1].done.text
+    assert kinds(again) == kinds(first)[1:] and again[-1].done.text == first[-1].done.text
+    assert token_ids(again) == token_ids(first)
     # The same key with a different request under that id is refused, clearly.
     for changed in ({"max_new_tokens": 5}, {"max_new_tokens": 4, "sampling": {"seed": 7}}):
         with pytest.raises(grpc.RpcError) as err:
