@@ -90,8 +90,8 @@ def from_worker(**event) -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(**event)
 
 
-def run_to_done(core, worker_id: str, request_id: str, output_ids: list[int]) -> None:
-    """What a worker reports for a request that runs to the end."""
+def run_tokens(core, worker_id: str, request_id: str, output_ids: list[int]) -> None:
+    """What a worker reports for a request's first ``len(output_ids)`` tokens."""
     core.on_worker_message(
         worker_id,
         from_worker(
@@ -103,6 +103,11 @@ def run_to_done(core, worker_id: str, request_id: str, output_ids: list[int]) ->
     for index, token_id in enumerate(output_ids[1:], start=1):
         token = worker_pb2.WorkerToken(request_id=request_id, token_id=token_id, index=index)
         core.on_worker_message(worker_id, from_worker(token=token))
+
+
+def run_to_done(core, worker_id: str, request_id: str, output_ids: list[int]) -> None:
+    """What a worker reports for a request that runs to the end."""
+    run_tokens(core, worker_id, request_id, output_ids)
     core.on_worker_message(
         worker_id,
         from_worker(done=worker_pb2.WorkerDone(request_id=request_id, output_ids=output_ids)),
@@ -162,45 +167,36 @@ def test_a_finished_requests_total_time_stays_what_it_was_when_it_finished():
 
 
 def test_a_client_joining_late_gets_every_token_produced_before_it_as_first_streamed():
+    def pieces(events) -> list[tuple[str, int, str]]:
+        """Each token event as (kind, token id, text)."""
+        out = []
+        for event in events:
+            kind = event.WhichOneof("event")
+            token = getattr(event, kind)
+            out.append((kind, token.token_id, token.text))
+        return out
+
     async def scenario():
         clock, transport = FakeClock(), RecordingTransport()
         core, tokenizer = make_core(clock, transport)
         output = tokenizer.encode(TEXT, add_special_tokens=False)
         core.worker_joined("w1", RecordingWorker())
+        # r1 streams to a client from its start, to the end.
         listening = core.open_client("r1")
         core.on_delivered(record("r1", [5, 6, 7], len(output)), delivery="d1")
         clock.now += 0.5
         run_to_done(core, "w1", "r1", output)
         streamed = [e for e in drain(listening) if e.WhichOneof("event") != "done"]
-        # Half-way through, with no client listening (it left, the service restarted):
-        core.close_client("r1")
+        # A retry after its Done gets the same token events first: kinds, ids, texts, TTFT.
+        again = core.tokens_so_far(core.lookup("r1"))
+        assert pieces(again) == pieces(streamed)
+        assert again[0].first_token.ttft_ms == streamed[0].first_token.ttft_ms
+        # r2 produces half its tokens with no client listening (it left, the service restarted):
+        # a client joining now gets those, in order, before anything new.
         core.on_delivered(record("r2", [5, 6, 7], len(output)), delivery="d2")
         half = len(output) // 2
-        core.on_worker_message(
-            "w1",
-            from_worker(
-                first_token=worker_pb2.WorkerFirstToken(
-                    request_id="r2", token_id=output[0], prompt_tokens=3
-                )
-            ),
-        )
-        for index, token_id in enumerate(output[1:half], start=1):
-            token = worker_pb2.WorkerToken(request_id="r2", token_id=token_id, index=index)
-            core.on_worker_message("w1", from_worker(token=token))
+        run_tokens(core, "w1", "r2", output[:half])
         joined = core.tokens_so_far(core.lookup("r2"))
-        assert [e.WhichOneof("event") for e in joined] == ["first_token"] + ["token"] * (half - 1)
-        # The same events, texts and ids as a client listening from the start got, and the
-        # finished request (a retry after Done) gives all of them.
-        assert [(e.first_token if i == 0 else e.token).token_id for i, e in enumerate(joined)] == (
-            output[:half]
-        )
-        assert [e.WhichOneof("event") for e in streamed] == [
-            e.WhichOneof("event") for e in core.tokens_so_far(core.lookup("r1"))
-        ]
-        replayed = core.tokens_so_far(core.lookup("r1"))
-        assert [getattr(e, e.WhichOneof("event")).text for e in replayed] == [
-            getattr(e, e.WhichOneof("event")).text for e in streamed
-        ]
-        assert replayed[0].first_token.ttft_ms == streamed[0].first_token.ttft_ms
+        assert pieces(joined) == pieces(streamed)[:half]
 
     asyncio.run(scenario())
