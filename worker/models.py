@@ -6,7 +6,8 @@ is the worker's part: it builds or loads the weights, and converts the ``smollm2
 safetensors directory in the tierflow cache (later loads read that directory).
 
 Every model is loaded with ``attn_implementation="sdpa"``, in eval mode, and checked to have the
-shape the layer-wise engine drives (``check_layerwise_supported``).
+shape the layer-wise engine drives (``check_layerwise_supported``). On a CPU in float32 its
+linear layers multiply by weights packed once for oneDNN (``worker.packed_linear``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from tierflow.catalogue import (
     models_cache_dir,
     unknown_model_error,
 )
+from worker.packed_linear import can_pack, pack_linears
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +153,8 @@ def load_model(
     model.eval()
     # Serving never trains: without autograd bookkeeping a forgotten no_grad costs nothing.
     model.requires_grad_(False)
+    if can_pack(target, dtype):  # faster decode-step products on a CPU: worker.packed_linear
+        pack_linears(model)
     return LoadedModel(
         name=name_or_path, model=model, tokenizer=tokenizer, device=target, dtype=dtype
     )
