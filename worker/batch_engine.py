@@ -36,6 +36,7 @@ from worker.engine import (
     RunStatus,
 )
 from worker.kv_pool import DecodeStepCache, KVPool, SlotCache
+from worker.packed_linear import decode_products
 from worker.packed_prefill import PackedPrefill, finish_pack, start_pack
 from worker.preemption import PreemptionChannel, Signal
 from worker.request import GenerationRequest, InvalidRequestError
@@ -221,16 +222,17 @@ class BatchEngine(PrefillEngine):
         rotary = self.rotary(h, position_ids)
         masks = self._step_masks(positions, kv_len)
         cache = DecodeStepCache(self.pool, positions, kv_len)
-        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
-            h = layer(
-                h,
-                attention_mask=masks[layer_type],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-                position_embeddings=rotary,
-            )
-        logits = self.lm_head(self.norm(h))[:, -1]
+        with decode_products():  # a few rows against every weight: worker.packed_linear
+            for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+                h = layer(
+                    h,
+                    attention_mask=masks[layer_type],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=rotary,
+                )
+            logits = self.lm_head(self.norm(h))[:, -1]
         tokens = []
         for i, task in enumerate(rows):
             self._cache(task).filled = [lengths[i] + 1] * len(self.layers)

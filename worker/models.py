@@ -7,7 +7,8 @@ safetensors directory in the tierflow cache (later loads read that directory).
 
 Every model is loaded with ``attn_implementation="sdpa"``, in eval mode, and checked to have the
 shape the layer-wise engine drives (``check_layerwise_supported``). On a CPU in float32 its
-linear layers multiply by weights packed once for oneDNN (``worker.packed_linear``).
+linear layers keep a copy of their weights packed once for oneDNN, which the batched decode step
+multiplies by (``worker.packed_linear``).
 """
 
 from __future__ import annotations
