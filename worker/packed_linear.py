@@ -55,9 +55,13 @@ def decode_products() -> Iterator[None]:
         _in_decode_step.reset(token)
 
 
+# Read once: can_pack runs for every product of a decode step.
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's packed matmul applies: float32 weights on a CPU, torch built with oneDNN."""
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.float32 and _ONEDNN
 
 
 def _version(weight: torch.Tensor) -> int:
