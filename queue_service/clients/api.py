@@ -76,14 +76,13 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         known = await self._known_request(intake, context)
         if known is not None and known.outcome is Outcome.DONE:
             # Idempotent retry of a finished request: its tokens and its result again.
-            for event in self.core.tokens_so_far(known):
-                event.request_id = client_id
+            for event in self.core.tokens_so_far(known, client_id):
                 yield event
             yield self._done_again(known, client_id)
             return
         queue = self.core.open_client(request_id)
         # Taken with the queue opened and no await in between: every token is in exactly one.
-        joined = [] if known is None else self.core.tokens_so_far(known)
+        joined = [] if known is None else self.core.tokens_so_far(known, client_id)
         finished = False
         try:
             if known is None:  # a new request: durable in Kafka before we say Queued
@@ -91,7 +90,6 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             else:
                 log.info("client joined a live request", request_id=request_id)
             for event in joined:  # the tokens it produced before this client joined
-                event.request_id = client_id
                 yield event
             deadline = None if intake.timeout_s is None else time.monotonic() + intake.timeout_s
             while True:

@@ -166,11 +166,14 @@ class ServiceCore:
     def lookup(self, request_id: str) -> LiveRequest | None:
         return self.live.get(request_id) or self.finished.get(request_id)
 
-    def tokens_so_far(self, live: LiveRequest) -> list[serving_pb2.GenerateEvent]:
+    def tokens_so_far(
+        self, live: LiveRequest, client_id: str | None = None
+    ) -> list[serving_pb2.GenerateEvent]:
         """The token events ``live`` has produced so far, from its first: what a client that
         joins it (a reattach, a retry) is sent before anything new, so that tokens produced
         while no client listened are not lost. A client skips the ones it already had by their
-        position, as after a restart from token 0 (``tierflow.resume``)."""
+        position, as after a restart from token 0 (``tierflow.resume``). The events carry
+        ``client_id`` (the id that client knows the request by) when given."""
         text_step = self.decode_stream()
         events = []
         for i, token_id in enumerate(live.output_ids):
@@ -184,7 +187,9 @@ class ServiceCore:
                 }
             else:
                 event = {"token": serving_pb2.Token(token_id=token_id, text=text)}
-            events.append(serving_pb2.GenerateEvent(request_id=live.request_id, **event))
+            events.append(
+                serving_pb2.GenerateEvent(request_id=client_id or live.request_id, **event)
+            )
         return events
 
     # ------------------------------------------------------------------ Kafka deliveries
