@@ -32,6 +32,12 @@ class EngineConfig:
     # listener call (~1 us) per 100+ ms layer on a CPU; on a GPU the host runs ahead of the
     # device, so a report says the layer was queued, not finished.
     progress_every_layers: int = 1
+    # With check="half", a prefill given a between-operators hook (the batched worker's decode
+    # slotter) runs each half of a layer over at most this many rows of its chunk at a time and
+    # calls the hook between them too: decode steps are slotted in at boundaries ~C/rows times
+    # finer than a layer's halves, while the chunk's K/V and results stay those of one chunk.
+    # Preemption is still checked only between halves. None: halves run whole.
+    slot_rows: int | None = 512
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size <= 0:
@@ -42,6 +48,8 @@ class EngineConfig:
             raise ValueError("memory_cap_bytes must be >= 0")
         if self.progress_every_layers < 0:
             raise ValueError("progress_every_layers must be >= 0")
+        if self.slot_rows is not None and self.slot_rows <= 0:
+            raise ValueError(f"slot_rows must be positive (or None), got {self.slot_rows}")
 
 
 @dataclass(frozen=True)

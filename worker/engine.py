@@ -279,13 +279,13 @@ class PrefillEngine:
             mask = ctx.masks[layer_types[layer_idx]]
             if split_halves:
                 if state.half == 0:
-                    h = self._attention_half(layer, h, mask, ctx, cache)
+                    h = self._attention_half(layer, h, mask, ctx, cache, between_layers)
                     if between_layers is not None:
                         between_layers()
                     if channel.signal is not None:
                         state.hidden, state.layer, state.half = h, layer_idx, 1
                         return None
-                h = self._mlp_half(layer, h)
+                h = self._mlp_half(layer, h, between_layers)
                 state.half = 0
             else:
                 h = layer(
@@ -348,21 +348,57 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ operators
 
-    def _attention_half(self, layer, h, mask, ctx: ChunkContext, cache) -> torch.Tensor:
-        # Same operations, in the same order, as the decoder layer's own forward.
-        attn_out, _ = layer.self_attn(
-            hidden_states=layer.input_layernorm(h),
-            attention_mask=mask,
-            position_ids=ctx.position_ids,
-            cache=cache,
-            use_cache=True,
-            position_embeddings=ctx.rotary,
-        )
-        return h + attn_out
+    def _attention_half(
+        self, layer, h, mask, ctx: ChunkContext, cache, between: BetweenLayers | None = None
+    ) -> torch.Tensor:
+        # Same operations, in the same order, as the decoder layer's own forward. Over row
+        # blocks (``_row_blocks``) each block appends its K/V and attends to the keys before
+        # it, as a chunk of that size would: every row's result is that of the whole chunk.
+        normed = layer.input_layernorm(h)
+        cos, sin = ctx.rotary
+        outputs = []
+        for a, b in self._row_blocks(h.shape[1], between):
+            out, _ = layer.self_attn(
+                hidden_states=normed[:, a:b],
+                attention_mask=self._block_mask(mask, ctx, a, b),
+                position_ids=ctx.position_ids[:, a:b],
+                cache=cache,
+                use_cache=True,
+                position_embeddings=(cos[:, a:b], sin[:, a:b]),
+            )
+            outputs.append(out)
+        return h + (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1))
 
-    @staticmethod
-    def _mlp_half(layer, h: torch.Tensor) -> torch.Tensor:
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    def _mlp_half(self, layer, h: torch.Tensor, between: BetweenLayers | None = None):
+        normed = layer.post_attention_layernorm(h)
+        outputs = [layer.mlp(normed[:, a:b]) for a, b in self._row_blocks(h.shape[1], between)]
+        return h + (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1))
+
+    def _row_blocks(self, rows: int, between: BetweenLayers | None):
+        """Row ranges of one half, calling ``between`` before every block but the first: a
+        hooked prefill is cut every ``slot_rows`` rows (``EngineConfig.slot_rows``)."""
+        size = self.config.slot_rows
+        if between is None or size is None or rows <= size:
+            yield 0, rows
+            return
+        for a in range(0, rows, size):
+            if a:
+                between()
+            yield a, min(a + size, rows)
+
+    def _block_mask(self, mask, ctx: ChunkContext, a: int, b: int):
+        """The chunk's mask for query rows [a, b) against the keys [0, start + b) they see."""
+        if a == 0 and b == ctx.end - ctx.start:
+            return mask
+        if mask is not None:
+            return mask[:, :, a:b, : ctx.start + b]
+        # The causal fast path (a first chunk under SDPA) holds for the first block only: a
+        # later one has a past, and SDPA's is_causal would align its queries to key 0.
+        if a == 0:
+            return None
+        queries = ctx.position_ids[0, a:b].unsqueeze(1)
+        keys = torch.arange(ctx.start + b, device=self.device).unsqueeze(0)
+        return (keys <= queries)[None, None]
 
     def _emit_first_token(self, task: Task, h: torch.Tensor, listener: EngineListener) -> None:
         logits = self.lm_head(self.norm(h[:, -1:, :]))[0, -1]

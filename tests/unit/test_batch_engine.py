@@ -11,6 +11,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from tests.attention import model_with_attention
 from tests.engine_hooks import StopAfter
 from worker.batch_engine import BatchEngine, BatchFullError
 from worker.config import BatchConfig
@@ -112,6 +113,56 @@ def test_eight_requests_joining_at_different_steps_match_generate(request, model
         torch.testing.assert_close(torch.stack(streams.logits[name]), logits, atol=TOL, rtol=0)
         assert tasks[name].phase is Phase.FINISHED and tasks[name].state is None
     assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_decode_steps_slotted_between_row_blocks_change_no_result(request, model_fixture, attn):
+    """A hooked prefill with ``slot_rows`` runs each half of a layer in blocks of rows, the hook
+    between them. A decode step at every one of those boundaries (decoders finishing and
+    leaving meanwhile) leaves the prefill's first-token logits and every decoder's tokens as
+    the model gives them alone."""
+    model = model_with_attention(request, model_fixture, attn).model
+    vocab = model.config.vocab_size
+    engine = BatchEngine(
+        model,
+        EngineConfig(chunk_size=16, check="half", slot_rows=5),
+        BatchConfig(max_batch_size=3, pool_slots=4, slot_tokens=192),
+    )
+    decoders = {f"d{i}": prompt(n, vocab, seed=10 + i) for i, n in enumerate((7, 19, 30))}
+    new_tokens = {"d0": 20, "d1": 60, "d2": 150}
+    channel, streams = PreemptionChannel(), Streams()
+    tasks = {}
+    for name, ids in decoders.items():
+        tasks[name] = engine.new_task(greedy(name, ids, new_tokens[name]))
+        engine.prefill(tasks[name], channel, streams)
+        engine.join(tasks[name])
+    hooks = 0
+
+    def between() -> None:
+        nonlocal hooks
+        hooks += 1
+        streams.record_step(engine.decode_step(streams))
+
+    long_ids = prompt(45, vocab, seed=3)  # chunks of 16, 16 and 13 rows: blocks of 5, 5, 5, 1
+    long = engine.new_task(greedy("long", long_ids, 2))
+    assert engine.prefill(long, channel, streams, between_layers=between).status is (
+        RunStatus.PREFILLED
+    )
+    n_layers = len(engine.layers)
+    per_chunk = [n_layers * 2 * (-(-rows // 5)) - 1 for rows in (16, 16, 13)]
+    assert hooks == sum(per_chunk) + 2  # every block boundary, and the two chunk ends
+    while engine.rows:
+        streams.record_step(engine.decode_step(streams))
+    with torch.no_grad():
+        alone = model(torch.tensor([long_ids])).logits[0, -1]
+    torch.testing.assert_close(streams.logits["long"][0], alone, atol=TOL, rtol=0)
+    for name, ids in decoders.items():
+        tokens, logits = reference(model, ids, new_tokens[name])
+        assert streams.tokens[name] == tokens, name
+        torch.testing.assert_close(torch.stack(streams.logits[name]), logits, atol=TOL, rtol=0)
+    engine.cancel(long)
+    assert engine.pool.used_slots == 0
 
 
 def test_rows_sample_with_their_own_seed(tiny_llama):
