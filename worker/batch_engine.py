@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.config import BatchConfig, EngineConfig
+from worker.decode_forward import DecodeLayers
 from worker.engine import (
     _NO_LISTENER,
     BetweenLayers,
@@ -78,6 +79,8 @@ class BatchEngine(PrefillEngine):
             dtype=self.dtype,
             device=self.device,
         )
+        # The decode step's own layer forward (worker.decode_forward), where the model fits it.
+        self.decode_layers = DecodeLayers.of(self)
         self.rows: list[Task] = []  # the decode batch: rows[i] owns slot i
 
     # ------------------------------------------------------------------ requests
@@ -223,15 +226,19 @@ class BatchEngine(PrefillEngine):
         masks = self._step_masks(positions, kv_len)
         cache = DecodeStepCache(self.pool, positions, kv_len)
         with decode_products():  # a few rows against every weight: worker.packed_linear
-            for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
-                h = layer(
-                    h,
-                    attention_mask=masks[layer_type],
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=True,
-                    position_embeddings=rotary,
-                )
+            if self.decode_layers is not None:  # fused products, few operators
+                layer_masks = [masks[layer_type] for layer_type in self.layer_types]
+                h = self.decode_layers(h, *rotary, layer_masks, cache)
+            else:
+                for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+                    h = layer(
+                        h,
+                        attention_mask=masks[layer_type],
+                        position_ids=position_ids,
+                        cache=cache,
+                        use_cache=True,
+                        position_embeddings=rotary,
+                    )
             logits = self.lm_head(self.norm(h))[:, -1]
         tokens = []
         for i, task in enumerate(rows):

@@ -77,11 +77,17 @@ class PackedLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias is not None, device="meta")
         self.weight = weight  # the same Parameter objects: tied weights stay tied
         self.bias = bias
-        self._pack()
+        self._unpack()
 
     @classmethod
     def of(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
+
+    def _unpack(self) -> None:
+        # Packed on first use: a linear that the decode step reaches through
+        # ``worker.decode_forward`` instead never holds a packed copy.
+        self._packed = None
+        self._packed_version: int | None = None
 
     def _pack(self) -> None:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -96,18 +102,18 @@ class PackedLinear(nn.Linear):
             or x.dtype != weight.dtype
         ):
             return super().forward(x)
-        if _version(weight) != self._packed_version:
+        if self._packed is None or _version(weight) != self._packed_version:
             self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     # The packed copy is an opaque oneDNN tensor, which neither pickle nor deepcopy can copy:
-    # copies carry the parameters only and pack their own.
+    # copies carry the parameters only and pack their own when used.
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_packed", "_packed_version")}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._pack()
+        self._unpack()
 
 
 def pack_linears(model: nn.Module) -> int:

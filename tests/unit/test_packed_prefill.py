@@ -75,14 +75,22 @@ def test_dropped_and_cancelled_packs_free_their_slots(tiny_llama):
 
 
 class FakeClock:
-    """Time moves only when a decoder layer runs: a prefill layer costs 1, a decode layer 0.1."""
+    """Time moves only when the model runs: a prefill layer costs 1, a decode step 0.1 a layer."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, engine) -> None:
         self.now = 0.0
-        self.handles = [layer.register_forward_hook(self._hook) for layer in model.model.layers]
+        self.engine = engine
+        self.handles = [layer.register_forward_hook(self._hook) for layer in engine.layers]
+        self.decode_step = engine.decode_step
+        engine.decode_step = self._decode_step  # its layers may not be the modules' (fused)
 
     def _hook(self, module, args, output):
-        self.now += 1.0 if args[0].shape[1] > 1 else 0.1
+        if args[0].shape[1] > 1:
+            self.now += 1.0
+
+    def _decode_step(self, *args, **kwargs):
+        self.now += 0.1 * len(self.engine.layers)
+        return self.decode_step(*args, **kwargs)
 
     def __call__(self) -> float:
         return self.now
@@ -90,6 +98,7 @@ class FakeClock:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        self.engine.decode_step = self.decode_step
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
@@ -99,7 +108,7 @@ def test_decode_slotted_into_a_long_prefill_meets_the_tbt_target_and_stays_exact
     model = request.getfixturevalue(model_fixture).model
     engine = make_engine(model, chunk=32)
     n_layers = len(engine.layers)
-    clock, streams, channel = FakeClock(model), Streams(), PreemptionChannel()
+    clock, streams, channel = FakeClock(engine), Streams(), PreemptionChannel()
     times: dict[str, list[float]] = {}
 
     def on_step(result):
