@@ -32,11 +32,11 @@ class EngineConfig:
     # listener call (~1 us) per 100+ ms layer on a CPU; on a GPU the host runs ahead of the
     # device, so a report says the layer was queued, not finished.
     progress_every_layers: int = 1
-    # With check="half", a prefill given a between-operators hook (the batched worker's decode
-    # slotter) runs each half of a layer over at most this many rows of its chunk at a time and
-    # calls the hook between them too: decode steps are slotted in at boundaries ~C/rows times
-    # finer than a layer's halves, while the chunk's K/V and results stay those of one chunk.
-    # Preemption is still checked only between halves. None: halves run whole.
+    # A prefill given a between-operators hook (the batched worker's decode slotter) runs each
+    # half of a layer over at most this many rows of its chunk at a time and calls the hook
+    # between them too: decode steps are slotted in at boundaries ~C/rows times finer than a
+    # layer's halves, while the chunk's K/V and results stay those of one chunk. Preemption is
+    # still checked where ``check`` says. None: hooked prefills run layers (or halves) whole.
     slot_rows: int | None = 512
 
     def __post_init__(self) -> None:

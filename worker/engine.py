@@ -120,10 +120,11 @@ class PrefillEngine:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
-        if self.config.check == "half":
-            parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-            if not all(hasattr(layer, p) for layer in self.layers for p in parts):
-                raise ValueError("check='half' needs decoder layers with attention and MLP halves")
+        parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        has_halves = all(hasattr(layer, p) for layer in self.layers for p in parts)
+        if self.config.check == "half" and not has_halves:
+            raise ValueError("check='half' needs decoder layers with attention and MLP halves")
+        self._row_blocks_on = has_halves and self.config.slot_rows is not None
         self.memory = SuspendedMemory(self.config.memory_cap_bytes)
         self.run_ahead = RunAheadLimiter.for_device(
             str(self.device), self.config.max_run_ahead_layers
@@ -269,7 +270,10 @@ class PrefillEngine:
         n_layers = len(layers)
         check = self.config.check
         check_layers = check in ("layer", "half")
-        split_halves = check == "half"
+        check_halves = check == "half"
+        # A hooked prefill runs halves, in row blocks, whatever the check: the hook's boundaries
+        # (decode steps slotted in) are not preemption points.
+        split_halves = check_halves or (between_layers is not None and self._row_blocks_on)
         report_every = self.config.progress_every_layers
         run_ahead = self.run_ahead
         layer_idx = state.layer
@@ -282,7 +286,7 @@ class PrefillEngine:
                     h = self._attention_half(layer, h, mask, ctx, cache, between_layers)
                     if between_layers is not None:
                         between_layers()
-                    if channel.signal is not None:
+                    if check_halves and channel.signal is not None:
                         state.hidden, state.layer, state.half = h, layer_idx, 1
                         return None
                 h = self._mlp_half(layer, h, between_layers)

@@ -115,18 +115,20 @@ def test_eight_requests_joining_at_different_steps_match_generate(request, model
     assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("attn", "check"), [("sdpa", "half"), ("eager", "layer")])
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
-def test_decode_steps_slotted_between_row_blocks_change_no_result(request, model_fixture, attn):
+def test_decode_steps_slotted_between_row_blocks_change_no_result(
+    request, model_fixture, attn, check
+):
     """A hooked prefill with ``slot_rows`` runs each half of a layer in blocks of rows, the hook
-    between them. A decode step at every one of those boundaries (decoders finishing and
-    leaving meanwhile) leaves the prefill's first-token logits and every decoder's tokens as
-    the model gives them alone."""
+    between them, whatever its preemption checks. A decode step at every one of those boundaries
+    (decoders finishing and leaving meanwhile) leaves the prefill's first-token logits and every
+    decoder's tokens as the model gives them alone."""
     model = model_with_attention(request, model_fixture, attn).model
     vocab = model.config.vocab_size
     engine = BatchEngine(
         model,
-        EngineConfig(chunk_size=16, check="half", slot_rows=5),
+        EngineConfig(chunk_size=16, check=check, slot_rows=5),
         BatchConfig(max_batch_size=3, pool_slots=4, slot_tokens=192),
     )
     decoders = {f"d{i}": prompt(n, vocab, seed=10 + i) for i, n in enumerate((7, 19, 30))}

@@ -141,12 +141,14 @@ def test_paused_decode_resumes_and_streams_each_token_once(tiny_qwen2, drop_stat
 
 
 class PreemptInside:
-    """From a decoder layer's pre-hook (the engine thread), preempts ``request_id`` once the
-    layers have been called ``after`` times."""
+    """From an attention module's pre-hook (the engine thread), preempts ``request_id`` once
+    the layers' attention has been called ``after`` times (a hooked prefill runs a layer as its
+    halves, not through the layer module)."""
 
     def __init__(self, model, runner: BatchRunner, request_id: str, after: int) -> None:
         self.runner, self.request_id, self.after, self.calls = runner, request_id, after, 0
-        self.handles = [m.register_forward_pre_hook(self._hook) for m in model.model.layers]
+        attention = [layer.self_attn for layer in model.model.layers]
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in attention]
 
     def _hook(self, module, args) -> None:
         self.calls += 1

@@ -75,18 +75,21 @@ def test_dropped_and_cancelled_packs_free_their_slots(tiny_llama):
 
 
 class FakeClock:
-    """Time moves only when the model runs: a prefill layer costs 1, a decode step 0.1 a layer."""
+    """Time moves only when the model runs: a prefill layer costs 1 (0.5 a half: a hooked
+    prefill runs halves), a decode step 0.1 a layer."""
 
     def __init__(self, engine) -> None:
         self.now = 0.0
         self.engine = engine
-        self.handles = [layer.register_forward_hook(self._hook) for layer in engine.layers]
+        halves = [m for layer in engine.layers for m in (layer.self_attn, layer.mlp)]
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in halves]
         self.decode_step = engine.decode_step
         engine.decode_step = self._decode_step  # its layers may not be the modules' (fused)
 
-    def _hook(self, module, args, output):
-        if args[0].shape[1] > 1:
-            self.now += 1.0
+    def _hook(self, module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] > 1:
+            self.now += 0.5
 
     def _decode_step(self, *args, **kwargs):
         self.now += 0.1 * len(self.engine.layers)
