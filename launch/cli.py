@@ -43,6 +43,8 @@ def _batch_bench(args: argparse.Namespace) -> int:
             "device": args.device,
             "prefill_tokens": args.prompt_tokens,
             "prefill_chunk": args.chunk_size,
+            "repeats": args.repeats,
+            "tbt_sweep_s": args.tbt_sweep,
         }.items()
         if v is not None
     }
@@ -286,9 +288,38 @@ def _add_engine_bench(sub) -> None:
         help="the batched engine instead: decode throughput per batch size, time between "
         "tokens during a long prefill (sequential / per chunk / slotted at layers)",
     )
+    eb.add_argument(
+        "--repeats",
+        type=_positive_int,
+        help="--batch: prefills per TBT run, each paired with one alone (default: "
+        "BatchBenchConfig.repeats in bench/batch_bench.py); more narrow the slowdown's interval",
+    )
+    eb.add_argument(
+        "--tbt-sweep",
+        type=_seconds_list,
+        help="--batch: more TBT targets in seconds, comma-separated ('' for none; default: "
+        "BatchBenchConfig.tbt_sweep_s)",
+    )
     eb.add_argument("--json", type=Path, help="write the results here")
     eb.add_argument("--plot", type=Path, help="write a PNG here")
     eb.set_defaults(func=_engine_bench)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not comma-separated seconds: {text!r}") from exc
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"targets must be > 0 s, got {text!r}")
+    return values
 
 
 def _add_bench(sub) -> None:

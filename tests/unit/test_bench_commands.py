@@ -114,8 +114,9 @@ def test_policy_bench_with_batched_workers_reports_tbt_and_decode(tmp_path):
 
 def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     out = tmp_path / "batch.json"
-    args = ["engine-bench", "--batch", "--model", "tiny-llama", "--quick"]
-    assert main([*args, "--prompt-tokens", "600", "--chunk-size", "300", "--json", str(out)]) == 0
+    args = ["engine-bench", "--batch", "--model", "tiny-llama", "--quick", "--repeats", "3"]
+    args += ["--tbt-sweep", "0.6", "--prompt-tokens", "600", "--chunk-size", "300"]
+    assert main([*args, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result) == {
@@ -124,7 +125,7 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
         "slot_check", "layer_sweep",
     }  # fmt: skip
     assert result["tbt_target_ms"] == 400.0  # the tightest tier's tbt_slo_s (critical)
-    assert [p["target_ms"] for p in result["layer_sweep"]] == [500.0]
+    assert [p["target_ms"] for p in result["layer_sweep"]] == [600.0]
     assert all(p["p50"] <= p["p99"] and p["slowdown"] > 0 for p in result["layer_sweep"])
     assert result["model"] == "tiny-llama"
     assert set(result["decode"]) == {"1", "4", "16", "32"}
@@ -135,11 +136,11 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
         assert set(row) == {"p50", "p99", "samples"} and 0 < row["p50"] <= row["p99"]
         assert row["samples"] > 0
     assert set(result["prefill_slowdown"]) == {"chunk", "layer"}
-    # Two prefills per run in a quick run: a paired ratio each, the mean inside its interval.
-    assert result["prefills_per_run"] == 2
+    # Three prefills per run (--repeats): a paired ratio each, the mean inside its interval.
+    assert result["prefills_per_run"] == 3
     for mode, (low, high) in result["prefill_slowdown_ci95"].items():
         assert low <= result["prefill_slowdown"][mode] <= high
-    assert all(p["prefills"] == 2 and p["slowdown_ci95"] for p in result["layer_sweep"])
+    assert all(p["prefills"] == 3 and p["slowdown_ci95"] for p in result["layer_sweep"])
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0
 
 
