@@ -29,14 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.packed_linear import PACKED_MAX_ROWS, can_pack
+from worker.packed_linear import PACKED_MAX_ROWS, can_pack, weight_version
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version  # inference tensors keep no counter
 
 
 class FusedProduct:
@@ -47,9 +43,8 @@ class FusedProduct:
         self._build()
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(
-            _version(t) for lin in self.linears for t in (lin.weight, lin.bias) if t is not None
-        )
+        tensors = [t for lin in self.linears for t in (lin.weight, lin.bias) if t is not None]
+        return tuple(weight_version(t) for t in tensors)
 
     def _build(self) -> None:
         linears = self.linears

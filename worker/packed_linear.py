@@ -64,7 +64,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and _ONEDNN
 
 
-def _version(weight: torch.Tensor) -> int:
+def weight_version(weight: torch.Tensor) -> int:
     # Inference tensors (made under torch.inference_mode) keep no version counter.
     return -1 if weight.is_inference() else weight._version
 
@@ -91,7 +91,7 @@ class PackedLinear(nn.Linear):
 
     def _pack(self) -> None:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self._packed_version = _version(self.weight)
+        self._packed_version = weight_version(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -102,7 +102,7 @@ class PackedLinear(nn.Linear):
             or x.dtype != weight.dtype
         ):
             return super().forward(x)
-        if self._packed is None or _version(weight) != self._packed_version:
+        if self._packed is None or weight_version(weight) != self._packed_version:
             self._pack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
