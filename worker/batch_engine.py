@@ -133,7 +133,10 @@ class BatchEngine(PrefillEngine):
                 listener.on_layers_done(task, 0, layers_done)
 
         try:
-            h = self._run_layers(state, state.cache, channel, report, between_layers)
+            # No row blocks: a pack's cache splits each layer's whole packed row by segment.
+            h = self._run_layers(
+                state, state.cache, channel, report, between_layers, row_blocks=False
+            )
             if h is None:
                 return self._stop_pack(pack, channel)
             finish_pack(self, pack, h, listener)

@@ -259,11 +259,13 @@ class PrefillEngine:
         channel: PreemptionChannel,
         report: Callable[[int], None],
         between_layers: BetweenLayers | None,
+        row_blocks: bool = True,
     ) -> torch.Tensor | None:
         """Run the current chunk (``state.hidden``, ``state.context``) from ``state.layer`` to
         the last layer. Returns the last layer's output, or None when the channel stopped it at
         a checked boundary (``state`` then says where it stands). ``between_layers`` runs at
-        every boundary (a decode step slotted in, when one is due)."""
+        every boundary (a decode step slotted in, when one is due), also between row blocks
+        unless ``row_blocks`` is False (a cache that takes a whole chunk per layer at once)."""
         ctx = state.context
         h = state.hidden
         layers, layer_types = self.layers, self.layer_types
@@ -274,6 +276,7 @@ class PrefillEngine:
         # A hooked prefill runs halves, in row blocks, whatever the check: the hook's boundaries
         # (decode steps slotted in) are not preemption points.
         split_halves = check_halves or (between_layers is not None and self._row_blocks_on)
+        block_hook = between_layers if row_blocks else None
         report_every = self.config.progress_every_layers
         run_ahead = self.run_ahead
         layer_idx = state.layer
@@ -283,13 +286,13 @@ class PrefillEngine:
             mask = ctx.masks[layer_types[layer_idx]]
             if split_halves:
                 if state.half == 0:
-                    h = self._attention_half(layer, h, mask, ctx, cache, between_layers)
+                    h = self._attention_half(layer, h, mask, ctx, cache, block_hook)
                     if between_layers is not None:
                         between_layers()
                     if check_halves and channel.signal is not None:
                         state.hidden, state.layer, state.half = h, layer_idx, 1
                         return None
-                h = self._mlp_half(layer, h, between_layers)
+                h = self._mlp_half(layer, h, block_hook)
                 state.half = 0
             else:
                 h = layer(

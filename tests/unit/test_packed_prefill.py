@@ -22,13 +22,16 @@ TOL = 1e-4
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
 @pytest.mark.parametrize("stops", [(), (1,), (3, 6)])  # none; mid-layer; mid-layer + layer end
-def test_packed_prefill_is_exact_also_after_preemption(request, model_fixture, stops):
+@pytest.mark.parametrize("hooked", [False, True])  # a decode slotter's hook, slot_rows < the pack
+def test_packed_prefill_is_exact_also_after_preemption(request, model_fixture, stops, hooked):
     model = request.getfixturevalue(model_fixture).model
     engine = BatchEngine(
         model,
-        EngineConfig(chunk_size=16, check="half"),  # packing ignores chunks: whole prompts
+        EngineConfig(chunk_size=16, check="half", slot_rows=5),  # packs ignore chunks
         BatchConfig(max_batch_size=4, pool_slots=4, slot_tokens=128),
     )
+    hook_calls = []
+    hook = (lambda: hook_calls.append(1)) if hooked else None
     lengths = [7, 30, 19, 52]  # 30 and 52 cross tiny-qwen2's 24-token sliding window
     prompts = [prompt(n, model.config.vocab_size, seed=50 + n) for n in lengths]
     tasks = tuple(engine.new_task(greedy(f"p{i}", p, 6)) for i, p in enumerate(prompts))
@@ -36,12 +39,15 @@ def test_packed_prefill_is_exact_also_after_preemption(request, model_fixture, s
     trigger = StopAfter(model, channel, stops, halves=True)
     try:
         preemptions = 0
-        while (outcome := engine.run_packed(pack, channel, streams)).status is RunStatus.PREEMPTED:
+        while (
+            outcome := engine.run_packed(pack, channel, streams, between_layers=hook)
+        ).status is RunStatus.PREEMPTED:
             assert not outcome.state_dropped and engine.suspended_bytes == outcome.held_bytes
             preemptions += 1
     finally:
         trigger.remove()
     assert outcome.status is RunStatus.PREFILLED and preemptions == len(stops)
+    assert len(hook_calls) >= (2 * len(engine.layers) - 1 if hooked else 0)
     for task, ids in zip(tasks, prompts, strict=True):
         with torch.no_grad():
             expected = model(torch.tensor([ids])).logits[0, -1]
