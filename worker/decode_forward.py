@@ -47,25 +47,26 @@ class FusedProduct:
         return tuple(weight_version(t) for t in tensors)
 
     def _build(self) -> None:
-        linears = self.linears
+        linears, first = self.linears, self.linears[0].weight
         with torch.no_grad():
-            if any(lin.bias is not None for lin in linears):
-                self.bias = torch.cat([_bias(lin) for lin in linears])
-            else:
-                self.bias = None
-            first = linears[0].weight
-            self._weight = first if len(linears) == 1 else None  # the plain product's, on demand
-            self.packed = None
-            if can_pack(first.device, first.dtype):
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self._plain_weight(), None)
-                if len(linears) > 1:
-                    self._weight = None  # the concatenation again only if a plain product needs it
+            biased = any(lin.bias is not None for lin in linears)
+            self.bias = torch.cat([_bias(lin) for lin in linears]) if biased else None
+            self.packed = (
+                torch.ops.mkldnn._reorder_linear_weight(self._concatenated(), None)
+                if can_pack(first.device, first.dtype)
+                else None
+            )
+        self._plain = None  # the weight of a plain product, made when one needs it
         self.built_from = self._versions()
 
+    def _concatenated(self) -> torch.Tensor:
+        return torch.cat([lin.weight.detach() for lin in self.linears])
+
     def _plain_weight(self) -> torch.Tensor:
-        if self._weight is None:
-            self._weight = torch.cat([lin.weight.detach() for lin in self.linears])
-        return self._weight
+        if self._plain is None:
+            one = len(self.linears) == 1
+            self._plain = self.linears[0].weight if one else self._concatenated()
+        return self._plain
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._versions() != self.built_from:
