@@ -185,17 +185,32 @@ def _prefill_engine(model, cfg: BatchBenchConfig, chunk: int, check: str) -> Bat
     )
 
 
+@dataclass(frozen=True)
+class PrefillRun:
+    """One long prefill of ``tbt_run``: the decoders' token intervals that overlap it, its wall
+    time, and the decode steps that ran inside it (their count and summed time)."""
+
+    intervals: list[float]
+    seconds: float
+    steps: int
+    step_seconds: float
+
+
 def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, decoder_prompts):
-    """One long prefill with ``decoder_prompts`` decoding (none: the prefill alone). Returns
-    the decoders' token intervals that overlap the prefill, and the prefill's wall time.
-    ``slotter`` lives as long as its engine, as a worker's does (``worker.batch_runner``): what
-    it learnt of the operator and step times in earlier prefills carries over."""
+    """One long prefill with ``decoder_prompts`` decoding (none: the prefill alone), as a
+    ``PrefillRun``. ``slotter`` lives as long as its engine, as a worker's does
+    (``worker.batch_runner``): what it learnt of the operator and step times in earlier
+    prefills carries over."""
     token_times: dict[str, list[float]] = {}
+    inside: list[float] = []  # the steps run while the prefill runs, their seconds
+    prefill_running = False
 
     def on_step(result) -> None:
         now = time.perf_counter()
         for task in result.tasks:
             token_times.setdefault(task.request_id, []).append(now)
+        if prefill_running:
+            inside.append(result.seconds)
 
     slotter.on_step = on_step
     tasks = _decoding(engine, decoder_prompts, 1000)
@@ -208,12 +223,14 @@ def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, de
     between = slotter if mode == "layer" else None
     if between is not None:
         slotter.prefill_started()
+    prefill_running = True
     start = time.perf_counter()
     if listener is not None:
         engine.prefill(long, PreemptionChannel(), listener, between_layers=between)
     else:
         engine.prefill(long, PreemptionChannel(), between_layers=between)
     end = time.perf_counter()
+    prefill_running = False
     for _ in range(2 if tasks else 0):
         slotter.step()
     _drain(engine, tasks)
@@ -225,7 +242,7 @@ def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, de
         for a, b in itertools.pairwise(times)
         if b > start and a < end
     ]
-    return intervals, end - start
+    return PrefillRun(intervals, end - start, len(inside), sum(inside))
 
 
 def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> dict[str, dict]:
@@ -251,27 +268,33 @@ def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> di
         name: DecodeSlotter(engine, lambda task, t=targets[name]: t)
         for name, (engine, _) in runs.items()
     }
-    intervals: dict[str, list[float]] = {name: [] for name in runs}
-    with_decode: dict[str, list[float]] = {name: [] for name in runs}
-    alone: dict[str, list[float]] = {name: [] for name in runs}
+    pairs: dict[str, list[tuple[float, PrefillRun]]] = {name: [] for name in runs}
     for _ in range(cfg.repeats):  # interleaved, so that drift hits every run alike
         for name, (engine, mode) in runs.items():
-            alone[name].append(tbt_run(engine, slotters[name], mode, long_ids, [])[1])
-            samples, seconds = tbt_run(engine, slotters[name], mode, long_ids, decoders)
-            intervals[name] += samples
-            with_decode[name].append(seconds)
-    out = {}
-    for name, s in intervals.items():
-        ratios = [w / a for w, a in zip(with_decode[name], alone[name], strict=True)]
-        out[name] = {
-            "p50": percentile(s, 50) * 1000,
-            "p99": percentile(s, 99) * 1000,
-            "slowdown": statistics.fmean(ratios),
-            "slowdown_ci95": list(mean_interval(ratios)) if len(ratios) > 1 else None,
-            "prefills": len(ratios),
-            "samples": len(s),
-        }
-    return out
+            alone = tbt_run(engine, slotters[name], mode, long_ids, []).seconds
+            pairs[name].append((alone, tbt_run(engine, slotters[name], mode, long_ids, decoders)))
+    return {name: _run_summary(p) for name, p in pairs.items()}
+
+
+def _run_summary(pairs: list[tuple[float, PrefillRun]]) -> dict:
+    """TBT percentiles, and the slowdown (the mean of the paired ratios) split into what the
+    steps inside the prefill took themselves (``steps_share``: their time over the prefill's
+    time alone) and the rest (what they cost the prefill's own operators, and noise)."""
+    ratios = [run.seconds / alone for alone, run in pairs]
+    shares = [run.step_seconds / alone for alone, run in pairs]
+    samples = [s for _, run in pairs for s in run.intervals]
+    steps = sum(run.steps for _, run in pairs)
+    return {
+        "p50": percentile(samples, 50) * 1000,
+        "p99": percentile(samples, 99) * 1000,
+        "slowdown": statistics.fmean(ratios),
+        "slowdown_ci95": list(mean_interval(ratios)) if len(ratios) > 1 else None,
+        "steps_per_prefill": steps / len(pairs),
+        "step_ms": sum(run.step_seconds for _, run in pairs) / steps * 1000 if steps else 0.0,
+        "steps_share": statistics.fmean(shares),
+        "prefills": len(ratios),
+        "samples": len(samples),
+    }
 
 
 def tightest_tbt_target_s() -> float:
@@ -317,6 +340,10 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
         },
         "prefill_slowdown": {m: runs[m]["slowdown"] for m in ("chunk", "layer")},
         "prefill_slowdown_ci95": {m: runs[m]["slowdown_ci95"] for m in ("chunk", "layer")},
+        "steps_in_prefill": {
+            m: {k: runs[m][k] for k in ("steps_per_prefill", "step_ms", "steps_share")}
+            for m in ("chunk", "layer")
+        },
         "prefills_per_run": cfg.repeats,
         "layer_sweep": [
             {"target_ms": target * 1000, **runs[f"layer@{target:g}"]} for target in cfg.tbt_sweep_s
@@ -350,29 +377,39 @@ def render_table(result: dict, console: Console) -> None:
     for mode, row in result["tbt_during_prefill_ms"].items():
         tbt.add_row(mode, str(row.get("samples", "-")), f"{row['p50']:.0f}", f"{row['p99']:.0f}")
     console.print(tbt)
-    chunk = result["tbt_during_prefill_ms"]["chunk"]
     sweep = Table(title="the slotter's trade-off: TBT target against prefill slowdown")
-    for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "prefill slowdown",
-                   "95% interval"):  # fmt: skip
+    for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "steps",
+                   "step ms", "steps' time", "slowdown", "95% interval"):  # fmt: skip
         sweep.add_column(column, justify="right")
-    sweep.add_row(
-        "chunk (one step per chunk)", "-", f"{chunk['p50']:.0f}", f"{chunk['p99']:.0f}",
-        f"{result['prefill_slowdown']['chunk']:.3f}x",
-        _interval(result["prefill_slowdown_ci95"]["chunk"]),
-    )  # fmt: skip
+    steps = result["steps_in_prefill"]
+    chunk = {**result["tbt_during_prefill_ms"]["chunk"], **steps["chunk"], "target_ms": None,
+             "slowdown": result["prefill_slowdown"]["chunk"],
+             "slowdown_ci95": result["prefill_slowdown_ci95"]["chunk"]}  # fmt: skip
     points = [
         {"target_ms": result["tbt_target_ms"], **result["tbt_during_prefill_ms"]["layer"],
-         "slowdown": result["prefill_slowdown"]["layer"],
+         **steps["layer"], "slowdown": result["prefill_slowdown"]["layer"],
          "slowdown_ci95": result["prefill_slowdown_ci95"]["layer"]},
         *result["layer_sweep"],
     ]  # fmt: skip
+    sweep.add_row("chunk (one step per chunk)", *_sweep_cells(chunk))
     for point in sorted(points, key=lambda p: p["target_ms"]):
-        sweep.add_row(
-            f"slotted ({result['slot_check']})", f"{point['target_ms']:.0f}",
-            f"{point['p50']:.0f}", f"{point['p99']:.0f}", f"{point['slowdown']:.3f}x",
-            _interval(point["slowdown_ci95"]),
-        )  # fmt: skip
+        sweep.add_row(f"slotted ({result['slot_check']})", *_sweep_cells(point))
     console.print(sweep)
+    console.print(
+        "steps: decode steps inside one prefill; steps' time: their summed time over the "
+        "prefill's time alone (the rest of the slowdown is what they cost the prefill's own "
+        "operators, and noise)"
+    )
+
+
+def _sweep_cells(point: dict) -> list[str]:
+    target = "-" if point["target_ms"] is None else f"{point['target_ms']:.0f}"
+    return [
+        target, f"{point['p50']:.0f}", f"{point['p99']:.0f}",
+        f"{point['steps_per_prefill']:.1f}", f"{point['step_ms']:.1f}",
+        f"{point['steps_share']:.3f}", f"{point['slowdown']:.3f}x",
+        _interval(point["slowdown_ci95"]),
+    ]  # fmt: skip
 
 
 def _interval(ci: list[float] | None) -> str:

@@ -122,7 +122,7 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     assert set(result) == {
         "model", "max_layer_ms", "decode_step_ms", "decode", "tbt_during_prefill_ms",
         "prefill_slowdown", "prefill_slowdown_ci95", "prefills_per_run", "tbt_target_ms",
-        "slot_check", "layer_sweep",
+        "slot_check", "layer_sweep", "steps_in_prefill",
     }  # fmt: skip
     assert result["tbt_target_ms"] == 400.0  # the tightest tier's tbt_slo_s (critical)
     assert [p["target_ms"] for p in result["layer_sweep"]] == [600.0]
@@ -141,6 +141,13 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     for mode, (low, high) in result["prefill_slowdown_ci95"].items():
         assert low <= result["prefill_slowdown"][mode] <= high
     assert all(p["prefills"] == 3 and p["slowdown_ci95"] for p in result["layer_sweep"])
+    # The slowdown split: the steps inside the prefill (the chunked baseline's one between its
+    # two chunks of C=512 over 600 tokens) and their own time, a part of the whole slowdown.
+    steps = result["steps_in_prefill"]
+    assert steps["chunk"]["steps_per_prefill"] == 1
+    assert steps["chunk"]["step_ms"] > 0 and steps["chunk"]["steps_share"] > 0
+    for row in [steps["layer"], *result["layer_sweep"]]:  # none, where no row was due
+        assert (row["steps_per_prefill"] > 0) == (row["step_ms"] > 0) == (row["steps_share"] > 0)
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0
 
 
