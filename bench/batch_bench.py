@@ -40,6 +40,8 @@ from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
 
 DECODE_BATCHES = (1, 4, 16, 32)
+# The slowdown's split (``_run_summary``), per mode in the JSON's ``steps_in_prefill``.
+_SPLIT = ("steps_per_prefill", "step_ms", "steps_share", "rest", "rest_ci95")
 
 
 @dataclass(frozen=True)
@@ -279,9 +281,11 @@ def tbt_during_prefill(model, cfg: BatchBenchConfig, rng, target_s: float) -> di
 def _run_summary(pairs: list[tuple[float, PrefillRun]]) -> dict:
     """TBT percentiles, and the slowdown (the mean of the paired ratios) split into what the
     steps inside the prefill took themselves (``steps_share``: their time over the prefill's
-    time alone) and the rest (what they cost the prefill's own operators, and noise)."""
+    time alone) and the rest (``rest``, per pair: slowdown - 1 - share, with its interval:
+    what the steps cost the prefill's own operators, and noise)."""
     ratios = [run.seconds / alone for alone, run in pairs]
     shares = [run.step_seconds / alone for alone, run in pairs]
+    rests = [ratio - 1 - share for ratio, share in zip(ratios, shares, strict=True)]
     samples = [s for _, run in pairs for s in run.intervals]
     steps = sum(run.steps for _, run in pairs)
     return {
@@ -292,6 +296,8 @@ def _run_summary(pairs: list[tuple[float, PrefillRun]]) -> dict:
         "steps_per_prefill": steps / len(pairs),
         "step_ms": sum(run.step_seconds for _, run in pairs) / steps * 1000 if steps else 0.0,
         "steps_share": statistics.fmean(shares),
+        "rest": statistics.fmean(rests),
+        "rest_ci95": list(mean_interval(rests)) if len(rests) > 1 else None,
         "prefills": len(ratios),
         "samples": len(samples),
     }
@@ -340,10 +346,7 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
         },
         "prefill_slowdown": {m: runs[m]["slowdown"] for m in ("chunk", "layer")},
         "prefill_slowdown_ci95": {m: runs[m]["slowdown_ci95"] for m in ("chunk", "layer")},
-        "steps_in_prefill": {
-            m: {k: runs[m][k] for k in ("steps_per_prefill", "step_ms", "steps_share")}
-            for m in ("chunk", "layer")
-        },
+        "steps_in_prefill": {m: {k: runs[m][k] for k in _SPLIT} for m in ("chunk", "layer")},
         "prefills_per_run": cfg.repeats,
         "layer_sweep": [
             {"target_ms": target * 1000, **runs[f"layer@{target:g}"]} for target in cfg.tbt_sweep_s
@@ -379,7 +382,7 @@ def render_table(result: dict, console: Console) -> None:
     console.print(tbt)
     sweep = Table(title="the slotter's trade-off: TBT target against prefill slowdown")
     for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "steps",
-                   "step ms", "steps' time", "slowdown", "95% interval"):  # fmt: skip
+                   "step ms", "steps' time", "rest", "slowdown", "95% interval"):  # fmt: skip
         sweep.add_column(column, justify="right")
     steps = result["steps_in_prefill"]
     chunk = {**result["tbt_during_prefill_ms"]["chunk"], **steps["chunk"], "target_ms": None,
@@ -397,8 +400,8 @@ def render_table(result: dict, console: Console) -> None:
     console.print(sweep)
     console.print(
         "steps: decode steps inside one prefill; steps' time: their summed time over the "
-        "prefill's time alone (the rest of the slowdown is what they cost the prefill's own "
-        "operators, and noise)"
+        "prefill's time alone; rest: slowdown - 1 - steps' time (what the steps cost the "
+        "prefill's own operators, and noise), with its 95% interval"
     )
 
 
@@ -407,7 +410,8 @@ def _sweep_cells(point: dict) -> list[str]:
     return [
         target, f"{point['p50']:.0f}", f"{point['p99']:.0f}",
         f"{point['steps_per_prefill']:.1f}", f"{point['step_ms']:.1f}",
-        f"{point['steps_share']:.3f}", f"{point['slowdown']:.3f}x",
+        f"{point['steps_share']:.3f}", f"{point['rest']:+.3f} {_interval(point['rest_ci95'])}",
+        f"{point['slowdown']:.3f}x",
         _interval(point["slowdown_ci95"]),
     ]  # fmt: skip
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.policy_bench import run_order
 from launch.cli import main
 
@@ -146,6 +148,11 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     steps = result["steps_in_prefill"]
     assert steps["chunk"]["steps_per_prefill"] == 1
     assert steps["chunk"]["step_ms"] > 0 and steps["chunk"]["steps_share"] > 0
+    for mode, row in steps.items():  # the split adds up, and the rest's mean is in its interval
+        assert row["rest"] == pytest.approx(
+            result["prefill_slowdown"][mode] - 1 - row["steps_share"]
+        )
+        assert row["rest_ci95"][0] <= row["rest"] <= row["rest_ci95"][1]
     for row in [steps["layer"], *result["layer_sweep"]]:  # none, where no row was due
         assert (row["steps_per_prefill"] > 0) == (row["step_ms"] > 0) == (row["steps_share"] > 0)
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0
