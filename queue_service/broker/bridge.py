@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -36,6 +37,42 @@ from tierflow.v1 import queue_pb2
 log = structlog.get_logger("queue_service.kafka")
 
 POLL_TIMEOUT_S = 0.05  # how long one poll waits; bounds how fast stop() is noticed
+
+
+class RenewalWatch:
+    """Whether a consumer renewed after an outage must be renewed once more: it still holds no
+    partition ``grace_s`` after it was made (two session timeouts: time enough to join even
+    when the old member's session has to expire first). CI saw requests undelivered for minutes
+    after a broker restart even with the consumer renewed once. At most ``max_consumers``
+    consumers per outage: a second instance may rightly hold no partition, and it pays no more
+    than a few rebalances. Consumer thread only; the clock is injectable for tests."""
+
+    def __init__(
+        self,
+        *,
+        grace_s: float,
+        max_consumers: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.grace_s = grace_s
+        self.max_consumers = max_consumers
+        self._clock = clock
+        self._left = 0  # consumers that may still be made for the current outage
+        self._check_at: float | None = None  # when the newest one must hold partitions
+
+    def outage_over(self) -> None:
+        self._left = self.max_consumers
+
+    def renewed(self) -> None:
+        self._left -= 1
+        self._check_at = self._clock() + self.grace_s
+
+    def renew_again(self, holds_partitions: bool) -> bool:
+        """True once per renewal, when its grace is over and it holds nothing."""
+        if self._check_at is None or self._clock() < self._check_at:
+            return False
+        self._check_at = None
+        return not holds_partitions and self._left > 0
 
 
 class KafkaBridge:
@@ -59,6 +96,7 @@ class KafkaBridge:
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
         self.breaker = KafkaBreaker.for_kafka(settings, on_recovered=self.renew_clients)
         self._renew_consumer = threading.Event()
+        self._renewal_watch = RenewalWatch(grace_s=2 * settings.session_timeout_ms / 1000)
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -72,7 +110,11 @@ class KafkaBridge:
         def consume() -> None:
             top_tier = self.tiers.names[0]
             while not self._stop.is_set():
-                if self._renew_consumer.is_set():
+                if self._renew_consumer.is_set():  # an outage is over (the probe thread)
+                    self._renewal_watch.outage_over()
+                    self._replace_consumer()
+                elif self._renewal_watch.renew_again(bool(self.consumer.assignment())):
+                    log.warning("renewed kafka consumer holds no partitions: renewing it again")
                     self._replace_consumer()
                 room = self.max_live - self.live_count()
                 if room <= 0 and self.consumer.waiting().get(top_tier):
@@ -114,6 +156,7 @@ class KafkaBridge:
             log.warning("kafka consumer not renewed yet", error=str(exc))
             return  # the flag stays set: tried again on the next turn
         self._renew_consumer.clear()
+        self._renewal_watch.renewed()
         old, self.consumer = self.consumer, fresh
         try:
             old.close(timeout=5.0)

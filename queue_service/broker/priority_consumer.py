@@ -198,6 +198,10 @@ class PriorityConsumer:
             if (tps := {tp for tp in assigned if tp.topic == topic}) and tps <= paused
         )
 
+    def assignment(self) -> frozenset[TopicPartition]:
+        """The tier partitions this consumer holds now (none before it joined the group)."""
+        return frozenset(self._consumer.assignment())
+
     @property
     def buffered(self) -> int:
         """Records fetched but not handed out yet (at most ``max_buffered`` between polls)."""
@@ -237,6 +241,9 @@ class PriorityConsumer:
     def _handle_events(self) -> None:
         while self._events:
             kind, partitions = self._events.popleft()
+            if partitions:  # which partitions this instance reads: the first thing to check
+                names = sorted(f"{tp.topic}:{tp.partition}" for tp in partitions)
+                log.info(f"kafka partitions {kind}", partitions=names)
             if kind == "assigned":
                 # Our knowledge of these partitions' ends predates the assignment.
                 for tp in partitions:

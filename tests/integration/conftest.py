@@ -21,6 +21,15 @@ from launch.kafka_broker import LocalKafkaBroker
 from tierflow.kafka_settings import KafkaSettings
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Keeps each phase's report on the test item (``item.rep_call``), so that a fixture's
+    teardown can tell whether the test failed (``processes.failed``) and print the logs."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafkaBroker]:
     """A running broker; ``kafka.bootstrap`` is its address."""

@@ -126,6 +126,7 @@ class Load:
         self.timeout = timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(clients)
         self._futures: list[concurrent.futures.Future[Outcome]] = []
+        self._request_ids: dict[concurrent.futures.Future[Outcome], str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send, daemon=True)
         self._rng = random.Random(prefix)
@@ -139,17 +140,18 @@ class Load:
             if self._stop.wait(self.interval_s if i else 0):
                 return
             n = self._rng.randint(*self.prompt_tokens)
-            self._futures.append(
-                self._pool.submit(
-                    run_request,
-                    self.target,
-                    next(self.tiers),
-                    f"{self.prefix}-{i}",
-                    prompt_ids(n, seed=i),
-                    max_new_tokens=self.max_new_tokens,
-                    timeout=self.timeout,
-                )
+            request_id = f"{self.prefix}-{i}"
+            future = self._pool.submit(
+                run_request,
+                self.target,
+                next(self.tiers),
+                request_id,
+                prompt_ids(n, seed=i),
+                max_new_tokens=self.max_new_tokens,
+                timeout=self.timeout,
             )
+            self._futures.append(future)
+            self._request_ids[future] = request_id
 
     def stop(self, wait_s: float = 180.0) -> list[Outcome]:
         """Stop sending; every request sent so far to its end."""
@@ -157,7 +159,8 @@ class Load:
         self._thread.join()
         done, pending = concurrent.futures.wait(self._futures, timeout=wait_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        assert not pending, f"{len(pending)} requests still streaming after {wait_s} s"
+        stuck = [self._request_ids[f] for f in self._futures if f in pending]  # oldest first
+        assert not pending, f"{len(pending)} requests still streaming after {wait_s} s: {stuck[:8]}"
         return sorted((f.result() for f in done), key=lambda o: o.sent_at)
 
 

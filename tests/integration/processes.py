@@ -217,3 +217,21 @@ def start_openai_api(
         proc.stop()
         raise
     return proc, target
+
+
+def failed(request) -> bool:
+    """The test that fixture ``request`` belongs to failed in its call phase (the report that
+    conftest's ``pytest_runtest_makereport`` keeps): for a fixture's teardown."""
+    report = getattr(request.node, "rep_call", None)
+    return report is not None and report.failed
+
+
+def print_own_log_events(procs, last: int = 120) -> None:
+    """Prints each process's own log events (not the Kafka client library's chatter), the last
+    ``last`` of them: what a failed test shows of what the services did and when."""
+    for proc in procs:
+        own = [e for e in proc.log_events() if not str(e.get("logger", "")).startswith("kafka.")]
+        print(f"--- {proc.name}: {len(own)} own log events, the last {min(last, len(own))}")
+        for e in own[-last:]:
+            stamp = str(e.pop("timestamp", ""))[11:23]
+            print(stamp, e.pop("event", ""), {k: v for k, v in e.items() if k != "level"})
