@@ -253,7 +253,8 @@ def plot_slo_sensitivity(curve: dict, path: Path) -> None:
     ax.set_ylabel("share of requests within the SLO")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"SLO sensitivity, {curve['tier']} tier ({curve['runs']} run(s); 95% bands)")
-    ax.legend(loc="lower right", fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # a run with no curve to draw has no legend either
+        ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
