@@ -6,6 +6,7 @@
   always bring in one more, so a full queue of batch work never holds a critical request back.
 - reply thread: reads this instance's reply topic (events of its clients' requests that another
   instance runs) and hands them to the loop.
+- both threads outlive any error a Kafka call raises (``run_until_stopped``): logged, retried.
 - ``publish`` (an executor thread per call, it blocks until the broker's ack) and
   ``finished`` (any thread; the consumer thread commits) are called from the loop.
 - probe thread (``KafkaBreaker``): while Kafka is known to be down, every write (requests,
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 
 import structlog
@@ -37,42 +37,32 @@ from tierflow.v1 import queue_pb2
 log = structlog.get_logger("queue_service.kafka")
 
 POLL_TIMEOUT_S = 0.05  # how long one poll waits; bounds how fast stop() is noticed
+ERROR_PAUSE_S = 0.5  # after a failed turn of a Kafka thread (the broker gone: no busy loop)
 
 
-class RenewalWatch:
-    """Whether a consumer renewed after an outage must be renewed once more: it still holds no
-    partition ``grace_s`` after it was made (two session timeouts: time enough to join even
-    when the old member's session has to expire first). CI saw requests undelivered for minutes
-    after a broker restart even with the consumer renewed once. At most ``max_consumers``
-    consumers per outage: a second instance may rightly hold no partition, and it pays no more
-    than a few rebalances. Consumer thread only; the clock is injectable for tests."""
-
-    def __init__(
-        self,
-        *,
-        grace_s: float,
-        max_consumers: int = 3,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.grace_s = grace_s
-        self.max_consumers = max_consumers
-        self._clock = clock
-        self._left = 0  # consumers that may still be made for the current outage
-        self._check_at: float | None = None  # when the newest one must hold partitions
-
-    def outage_over(self) -> None:
-        self._left = self.max_consumers
-
-    def renewed(self) -> None:
-        self._left -= 1
-        self._check_at = self._clock() + self.grace_s
-
-    def renew_again(self, holds_partitions: bool) -> bool:
-        """True once per renewal, when its grace is over and it holds nothing."""
-        if self._check_at is None or self._clock() < self._check_at:
-            return False
-        self._check_at = None
-        return not holds_partitions and self._left > 0
+def run_until_stopped(
+    stop: threading.Event, turn: Callable[[], None], name: str, pause_s: float = ERROR_PAUSE_S
+) -> None:
+    """Calls ``turn`` until ``stop`` is set, and outlives every error it raises: one is logged
+    (with its traceback when it starts a run of failures) and the next turn comes after
+    ``pause_s``. kafka-python's ``poll`` raises KafkaConnectionError while the broker is down;
+    in CI that ended the consumer thread, and after the broker's return nothing was delivered
+    again (every request hung until its client's timeout)."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            turn()
+        except Exception as exc:
+            failures += 1
+            if failures == 1:
+                log.exception("kafka thread: a turn failed; retrying", thread=name)
+            else:
+                log.warning("kafka thread: a turn failed again", thread=name, error=repr(exc))
+            stop.wait(pause_s)
+            continue
+        if failures:
+            log.info("kafka thread: turns succeed again", thread=name, failed_turns=failures)
+            failures = 0
 
 
 class KafkaBridge:
@@ -96,7 +86,6 @@ class KafkaBridge:
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
         self.breaker = KafkaBreaker.for_kafka(settings, on_recovered=self.renew_clients)
         self._renew_consumer = threading.Event()
-        self._renewal_watch = RenewalWatch(grace_s=2 * settings.session_timeout_ms / 1000)
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -107,28 +96,29 @@ class KafkaBridge:
         on_delivered: Callable[[queue_pb2.QueuedRequest, DeliveredRequest], None],
         on_reply: Callable[[queue_pb2.ReplyRecord], None],
     ) -> None:
+        top_tier = self.tiers.names[0]
+
+        def consume_once() -> None:
+            if self._renew_consumer.is_set():
+                self._replace_consumer()
+            room = self.max_live - self.live_count()
+            if room <= 0 and self.consumer.waiting().get(top_tier):
+                room = 1
+            for delivered in self.consumer.poll(POLL_TIMEOUT_S, max_records=max(room, 0)):
+                loop.call_soon_threadsafe(on_delivered, delivered.request, delivered)
+            # Swapped whole: the metrics read it from another thread.
+            self.kafka_waiting = self.consumer.waiting()
+
+        def read_replies_once() -> None:
+            for reply in self.replies.poll(POLL_TIMEOUT_S):
+                loop.call_soon_threadsafe(on_reply, reply)
+
         def consume() -> None:
-            top_tier = self.tiers.names[0]
-            while not self._stop.is_set():
-                if self._renew_consumer.is_set():  # an outage is over (the probe thread)
-                    self._renewal_watch.outage_over()
-                    self._replace_consumer()
-                elif self._renewal_watch.renew_again(bool(self.consumer.assignment())):
-                    log.warning("renewed kafka consumer holds no partitions: renewing it again")
-                    self._replace_consumer()
-                room = self.max_live - self.live_count()
-                if room <= 0 and self.consumer.waiting().get(top_tier):
-                    room = 1
-                for delivered in self.consumer.poll(POLL_TIMEOUT_S, max_records=max(room, 0)):
-                    loop.call_soon_threadsafe(on_delivered, delivered.request, delivered)
-                # Swapped whole: the metrics read it from another thread.
-                self.kafka_waiting = self.consumer.waiting()
+            run_until_stopped(self._stop, consume_once, "kafka-consumer")
             self.consumer.close()
 
         def read_replies() -> None:
-            while not self._stop.is_set():
-                for reply in self.replies.poll(POLL_TIMEOUT_S):
-                    loop.call_soon_threadsafe(on_reply, reply)
+            run_until_stopped(self._stop, read_replies_once, "kafka-replies")
             self.replies.close()
 
         for target, name in ((consume, "kafka-consumer"), (read_replies, "kafka-replies")):
@@ -156,7 +146,6 @@ class KafkaBridge:
             log.warning("kafka consumer not renewed yet", error=str(exc))
             return  # the flag stays set: tried again on the next turn
         self._renew_consumer.clear()
-        self._renewal_watch.renewed()
         old, self.consumer = self.consumer, fresh
         try:
             old.close(timeout=5.0)

@@ -7,6 +7,7 @@ then SIGKILL) by the fixture that started it. ``kill()`` is a SIGKILL, for the c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from launch.processes import (
@@ -226,12 +227,23 @@ def failed(request) -> bool:
     return report is not None and report.failed
 
 
-def print_own_log_events(procs, last: int = 120) -> None:
-    """Prints each process's own log events (not the Kafka client library's chatter), the last
-    ``last`` of them: what a failed test shows of what the services did and when."""
+def print_own_log_events(procs, last: int = 150) -> None:
+    """Prints the last ``last`` lines of each process's log that are its own: its JSON events
+    and anything else it wrote (a traceback on stderr), not the Kafka client library's
+    chatter. What a failed test shows of what the services did and when."""
     for proc in procs:
-        own = [e for e in proc.log_events() if not str(e.get("logger", "")).startswith("kafka.")]
-        print(f"--- {proc.name}: {len(own)} own log events, the last {min(last, len(own))}")
-        for e in own[-last:]:
-            stamp = str(e.pop("timestamp", ""))[11:23]
-            print(stamp, e.pop("event", ""), {k: v for k, v in e.items() if k != "level"})
+        own = []
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line) if line.startswith("{") else None
+            except ValueError:
+                event = None
+            if event is None:
+                own.append(line)
+            elif not str(event.get("logger", "")).startswith("kafka."):
+                stamp = str(event.pop("timestamp", ""))[11:23]
+                what = event.pop("event", "")
+                event.pop("level", None)
+                own.append(f"{stamp} {what} {event}")
+        print(f"--- {proc.name}: the last {min(last, len(own))} of {len(own)} lines of its own")
+        print("\n".join(own[-last:]))

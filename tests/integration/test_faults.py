@@ -110,11 +110,8 @@ def test_broker_stopped_for_20_s_under_load_fails_fast_then_recovers(
     assert during and all(o.code is grpc.StatusCode.UNAVAILABLE for o in during)
     timeout_s = settings.delivery_timeout_ms / 1000
     assert max(o.seconds for o in during) < timeout_s / 3, during
-    # Back within seconds of the broker (before: the clients' 30 s reconnect backoff, then a
-    # wedged producer for minutes): at worst a renewed consumer that joined nothing is renewed
-    # again after its grace (``RenewalWatch``), and a request is delivered within its timeout.
-    bound_s = 2 * settings.session_timeout_ms / 1000 + timeout_s
-    assert first.done is not None and recovery_s < bound_s, recovery_s
+    # Back within seconds of the broker (before: the clients' 30 s reconnect backoff).
+    assert first.done is not None and recovery_s < timeout_s, recovery_s
     after = [o for o in outcomes if o.sent_at > up_at + recovery_s]
     assert after and all(o.done is not None for o in after), after
 
