@@ -198,10 +198,6 @@ class PriorityConsumer:
             if (tps := {tp for tp in assigned if tp.topic == topic}) and tps <= paused
         )
 
-    def assignment(self) -> frozenset[TopicPartition]:
-        """The tier partitions this consumer holds now (none before it joined the group)."""
-        return frozenset(self._consumer.assignment())
-
     @property
     def buffered(self) -> int:
         """Records fetched but not handed out yet (at most ``max_buffered`` between polls)."""
