@@ -1,8 +1,9 @@
 """Starting the real services as real processes for the integration tests.
 
-Each process writes its JSON log to a file in the test's tmp dir (printed when a test fails
-helps: ``ServiceProcess.log_tail``), is waited for until it is ready, and is stopped (SIGTERM,
-then SIGKILL) by the fixture that started it. ``kill()`` is a SIGKILL, for the crash tests.
+Each process writes its JSON log to a file in the test's tmp dir, is waited for until it is
+ready, and is stopped (SIGTERM, then SIGKILL) by the fixture that started it; a function-scoped
+fixture does that with ``stop_started``, which also prints the processes' own log lines when
+the test failed. ``kill()`` is a SIGKILL, for the crash tests.
 """
 
 from __future__ import annotations
@@ -220,14 +221,18 @@ def start_openai_api(
     return proc, target
 
 
-def failed(request) -> bool:
-    """The test that fixture ``request`` belongs to failed in its call phase (the report that
-    conftest's ``pytest_runtest_makereport`` keeps): for a fixture's teardown."""
+def stop_started(request, procs) -> None:
+    """For a function-scoped fixture's teardown: stops ``procs`` in reverse order, then, when
+    the test failed (the report conftest's ``pytest_runtest_makereport`` keeps), prints their
+    own log lines: often the only record of what the services did in CI."""
+    for proc in reversed(procs):
+        proc.stop()
     report = getattr(request.node, "rep_call", None)
-    return report is not None and report.failed
+    if report is not None and report.failed:
+        print_own_log_lines(procs)
 
 
-def print_own_log_events(procs, last: int = 150) -> None:
+def print_own_log_lines(procs, last: int = 150) -> None:
     """Prints the last ``last`` lines of each process's log that are its own: its JSON events
     and anything else it wrote (a traceback on stderr), not the Kafka client library's
     chatter. What a failed test shows of what the services did and when."""

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from launch.processes import REPO
-from tests.integration.processes import start_queue_service, start_worker
+from tests.integration.processes import start_queue_service, start_worker, stop_started
 from tierflow.client import TierflowClient
 
 # Generous TTFT SLOs for a loaded CI box; TBT targets so that decode is slotted into prefills.
@@ -45,7 +45,7 @@ sheddable = true
 
 
 @pytest.fixture
-def stack(tmp_path: Path, kafka_settings):
+def stack(request, tmp_path: Path, kafka_settings):
     tiers = tmp_path / "tiers.toml"
     tiers.write_text(TIERS_TOML)
     started = []
@@ -64,8 +64,7 @@ def stack(tmp_path: Path, kafka_settings):
             return proc
 
     yield Stack()
-    for proc in reversed(started):
-        proc.stop()
+    stop_started(request, started)
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -23,12 +23,7 @@ from tests.integration.load import (
     stream_until,
     worker_events,
 )
-from tests.integration.processes import (
-    failed,
-    print_own_log_events,
-    start_queue_service,
-    start_worker,
-)
+from tests.integration.processes import start_queue_service, start_worker, stop_started
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import loads_tiers
@@ -44,13 +39,10 @@ def tiers_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def started(request: pytest.FixtureRequest, tmp_path: Path):
     """Processes a test starts; stopped in reverse order whatever happens, and their own log
-    events printed when the test failed (the only record of what the services did in CI)."""
+    lines printed when the test failed (the only record of what the services did in CI)."""
     procs: list = []
     yield procs
-    for proc in reversed(procs):
-        proc.stop()
-    if failed(request):
-        print_own_log_events(procs)
+    stop_started(request, procs)
 
 
 @pytest.fixture

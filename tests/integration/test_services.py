@@ -19,7 +19,7 @@ import torch
 
 from ops.topics import read_topic
 from tests.integration.load import stream_until, worker_events
-from tests.integration.processes import start_queue_service, start_worker
+from tests.integration.processes import start_queue_service, start_worker, stop_started
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
 from tierflow.v1 import serving_pb2
@@ -36,8 +36,9 @@ def tiers_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def stack(tmp_path, kafka_settings, tiers_file):
-    """Starts services on demand; stops whatever was started."""
+def stack(request, tmp_path, kafka_settings, tiers_file):
+    """Starts services on demand; stops whatever was started (its logs printed if the test
+    failed)."""
     started = []
 
     class Stack:
@@ -54,8 +55,7 @@ def stack(tmp_path, kafka_settings, tiers_file):
             return proc
 
     yield Stack()
-    for proc in reversed(started):
-        proc.stop()
+    stop_started(request, started)
 
 
 def ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
