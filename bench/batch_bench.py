@@ -293,6 +293,7 @@ def _run_summary(pairs: list[tuple[float, PrefillRun]]) -> dict:
         "p99": percentile(samples, 99) * 1000,
         "slowdown": statistics.fmean(ratios),
         "slowdown_ci95": list(mean_interval(ratios)) if len(ratios) > 1 else None,
+        "slowdown_pairs": ratios,  # kept, so that runs can be pooled exactly
         "steps_per_prefill": steps / len(pairs),
         "step_ms": sum(run.step_seconds for _, run in pairs) / steps * 1000 if steps else 0.0,
         "steps_share": statistics.fmean(shares),
@@ -346,6 +347,7 @@ def run_batch_bench(cfg: BatchBenchConfig) -> dict:
         },
         "prefill_slowdown": {m: runs[m]["slowdown"] for m in ("chunk", "layer")},
         "prefill_slowdown_ci95": {m: runs[m]["slowdown_ci95"] for m in ("chunk", "layer")},
+        "prefill_slowdown_pairs": {m: runs[m]["slowdown_pairs"] for m in ("chunk", "layer")},
         "steps_in_prefill": {m: {k: runs[m][k] for k in _SPLIT} for m in ("chunk", "layer")},
         "prefills_per_run": cfg.repeats,
         "layer_sweep": [

@@ -6,6 +6,7 @@ These check behaviour and the JSON contract, not speed: speed is what the comman
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -123,7 +124,8 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result) == {
         "model", "max_layer_ms", "decode_step_ms", "decode", "tbt_during_prefill_ms",
-        "prefill_slowdown", "prefill_slowdown_ci95", "prefills_per_run", "tbt_target_ms",
+        "prefill_slowdown", "prefill_slowdown_ci95", "prefill_slowdown_pairs",
+        "prefills_per_run", "tbt_target_ms",
         "slot_check", "layer_sweep", "steps_in_prefill",
     }  # fmt: skip
     assert result["tbt_target_ms"] == 400.0  # the tightest tier's tbt_slo_s (critical)
@@ -142,6 +144,10 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     assert result["prefills_per_run"] == 3
     for mode, (low, high) in result["prefill_slowdown_ci95"].items():
         assert low <= result["prefill_slowdown"][mode] <= high
+        pairs = result["prefill_slowdown_pairs"][mode]  # each pair's ratio, for pooling runs
+        assert len(pairs) == 3 and statistics.fmean(pairs) == pytest.approx(
+            result["prefill_slowdown"][mode]
+        )
     assert all(p["prefills"] == 3 and p["slowdown_ci95"] for p in result["layer_sweep"])
     # The slowdown split: the steps inside the prefill (the chunked baseline's one between its
     # two chunks of C=512 over 600 tokens) and their own time, a part of the whole slowdown.
