@@ -355,14 +355,34 @@ class BatchRunner:
         return [t for t in tasks if self._entries.get(t.request_id, None) is not None]
 
     def _admit_rows(self) -> None:
+        """Waiting rows join the batch, the tightest TBT target first (in arrival order among
+        equal targets). A full batch makes room for a row whose target is tighter than some
+        row's in it: a critical request must not wait for lower-tier rows to finish."""
         limit = self.engine.batch_config.max_batch_size
-        while self._waiting_rows and len(self.engine.rows) < limit:
-            rid = self._waiting_rows.pop(0)
-            entry = self._entries.get(rid)
+        self._waiting_rows.sort(key=lambda rid: self._entries[rid].tbt_slo_s
+                                if rid in self._entries else NO_TARGET)  # fmt: skip
+        while self._waiting_rows:
+            entry = self._entries.get(self._waiting_rows[0])
             if entry is None or entry.task.phase is not Phase.DECODE:
+                self._waiting_rows.pop(0)
                 continue
+            if len(self.engine.rows) >= limit and not self._make_room(entry.tbt_slo_s):
+                return
+            self._waiting_rows.pop(0)
             self.engine.join(entry.task)
             self.slotter.joined(entry.task)
+
+    def _make_room(self, target: float) -> bool:
+        """Take the row with the loosest TBT target out of the batch if that target is looser
+        than ``target``. It keeps its cache and waits first among the rows of its target (a
+        full batch's waiting rows are not paused: nothing is freed or counted anew)."""
+        loosest = max(reversed(self.engine.rows), key=self._tbt_target)
+        if self._tbt_target(loosest) <= target:
+            return False
+        self.engine.leave(loosest)
+        self.slotter.forget(loosest)
+        self._waiting_rows.insert(1, loosest.request_id)  # after the row it makes room for
+        return True
 
     def _tbt_target(self, task: Task) -> float:
         entry = self._entries.get(task.request_id)

@@ -260,6 +260,34 @@ def test_a_preempt_of_a_prefill_still_queued_is_acknowledged(tiny_llama):
     assert collect_tokens(seen)["q"] == reference(model, ids, 5)[0] == list(done.output_ids)
 
 
+def test_a_full_batch_makes_room_for_a_row_with_a_tighter_tbt_target(tiny_llama):
+    """Two lower-tier rows fill the batch; a critical request that prefills meanwhile takes a
+    row at once (one of them waits, its cache kept) and finishes first; every request's tokens
+    are still generate's, each streamed once."""
+    model = tiny_llama.model
+    stream = Stream()
+    runner = start(model, stream, batch=2, slots=4)
+    prompts = {"b1": prompt(20, 500, seed=1), "b2": prompt(27, 500, seed=2)}
+    critical = prompt(15, 500, seed=3)
+    try:
+        for name, ids in prompts.items():
+            runner.assign(greedy(name, ids, 60), tbt_slo_s=5.0)
+        events = []
+        while stream.counts.get("b2", 0) < 3:  # both rows decoding: the batch is full
+            events.append(stream.events.get(timeout=60))
+        runner.assign(greedy("c", critical, 6), tbt_slo_s=0.05)
+        events += drain(stream, ["b1", "b2", "c"])
+    finally:
+        runner.stop()
+    finished = [e.request_id for e in events if isinstance(e, Finished)]
+    assert finished[0] == "c"  # before either lower-tier row, not after one of them
+    tokens = collect_tokens(events)
+    assert tokens["c"] == reference(model, critical, 6)[0]
+    for name, ids in prompts.items():  # the row that made room resumed exactly
+        assert tokens[name] == reference(model, ids, 60)[0], name
+    assert runner.engine.pool.used_slots == 0 and runner.suspended_bytes == 0
+
+
 @pytest.mark.parametrize(
     ("tbt_slo_s", "steps_between_prefills"),
     [(3600.0, False), (1e-9, True), (None, True)],
