@@ -359,8 +359,7 @@ class BatchRunner:
         equal targets). A full batch makes room for a row whose target is tighter than some
         row's in it: a critical request must not wait for lower-tier rows to finish."""
         limit = self.engine.batch_config.max_batch_size
-        self._waiting_rows.sort(key=lambda rid: self._entries[rid].tbt_slo_s
-                                if rid in self._entries else NO_TARGET)  # fmt: skip
+        self._waiting_rows.sort(key=self._target_of)
         while self._waiting_rows:
             entry = self._entries.get(self._waiting_rows[0])
             if entry is None or entry.task.phase is not Phase.DECODE:
@@ -385,7 +384,10 @@ class BatchRunner:
         return True
 
     def _tbt_target(self, task: Task) -> float:
-        entry = self._entries.get(task.request_id)
+        return self._target_of(task.request_id)
+
+    def _target_of(self, rid: str) -> float:
+        entry = self._entries.get(rid)
         return entry.tbt_slo_s if entry is not None else NO_TARGET
 
     def _on_step(self, result: StepResult) -> None:
