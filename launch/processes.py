@@ -71,13 +71,20 @@ class ServiceProcess:
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def log_events(self) -> list[dict]:
-        events = []
+    def log_records(self) -> list[tuple[str, dict | None]]:
+        """Every line of the log with its JSON event (None for a line that is not one, such as
+        a traceback written to stderr)."""
+        records = []
         for line in self.log_path.read_text(errors="replace").splitlines():
+            event = None
             if line.startswith("{"):
                 with contextlib.suppress(ValueError):
-                    events.append(json.loads(line))
-        return events
+                    event = json.loads(line)
+            records.append((line, event))
+        return records
+
+    def log_events(self) -> list[dict]:
+        return [event for _, event in self.log_records() if event is not None]
 
     def wait_for_log(self, event: str, timeout: float = 60.0, **fields) -> dict:
         deadline = time.monotonic() + timeout

@@ -8,7 +8,6 @@ the test failed. ``kill()`` is a SIGKILL, for the crash tests.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from launch.processes import (
@@ -237,18 +236,16 @@ def print_own_log_lines(procs, last: int = 150) -> None:
     and anything else it wrote (a traceback on stderr), not the Kafka client library's
     chatter. What a failed test shows of what the services did and when."""
     for proc in procs:
-        own = []
-        for line in proc.log_path.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line) if line.startswith("{") else None
-            except ValueError:
-                event = None
-            if event is None:
-                own.append(line)
-            elif not str(event.get("logger", "")).startswith("kafka."):
-                stamp = str(event.pop("timestamp", ""))[11:23]
-                what = event.pop("event", "")
-                event.pop("level", None)
-                own.append(f"{stamp} {what} {event}")
+        own = [shown for record in proc.log_records() if (shown := _own_line(*record))]
         print(f"--- {proc.name}: the last {min(last, len(own))} of {len(own)} lines of its own")
         print("\n".join(own[-last:]))
+
+
+def _own_line(line: str, event: dict | None) -> str | None:
+    """``line`` as printed (an event as its time, name and fields); None for Kafka's chatter."""
+    if event is None:
+        return line
+    if str(event.get("logger", "")).startswith("kafka."):
+        return None
+    fields = {k: v for k, v in event.items() if k not in ("timestamp", "event", "level")}
+    return f"{str(event.get('timestamp', ''))[11:23]} {event.get('event', '')} {fields}"
