@@ -16,14 +16,27 @@ from typing import Literal, get_args
 from tierflow.catalogue import DEFAULT_MODEL
 from tierflow.metrics import DEFAULT_DEPLOYMENT
 
-CheckGranularity = Literal["half", "layer", "chunk", "none"]
+CheckGranularity = Literal["block", "half", "layer", "chunk", "none"]
 CHECK_GRANULARITIES: tuple[CheckGranularity, ...] = get_args(CheckGranularity)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     chunk_size: int | None = 2048  # None: the whole prompt is one chunk
-    check: CheckGranularity = "layer"
+    # Where a prefill reads the preemption channel: "block" (between row blocks that each fit
+    # ``preempt_budget_ms``, and at every half and layer boundary), "half" (also between a
+    # layer's attention and MLP), "layer", "chunk" (at chunk ends only, the chunked baseline),
+    # "none" (never).
+    check: CheckGranularity = "block"
+    # The longest a preemption may wait for the next interruption point (worker.row_blocks):
+    # each operator of a prefill runs over blocks of rows that the engine sizes, from the times
+    # it measures, to fit this. 25 ms is a twelfth of the critical tier's 0.3 s TTFT SLO: the
+    # wait stays a small part of the SLO, while blocks of a 2048-token chunk on a 2-core CPU
+    # stay hundreds of rows, large enough for efficient products (docs/results.md measures the
+    # slowdown). A hooked prefill (decode slotted in) uses the same blocks whatever the check.
+    # None: operators run whole.
+    preempt_budget_ms: float | None = 25.0
+    block_rows: int | None = None  # a fixed block size instead of the timed one (tests)
     memory_cap_bytes: int = 4 << 30  # for all suspended tasks together
     max_new_tokens_limit: int = 4096
     max_run_ahead_layers: int = 2  # CUDA only; see worker.run_ahead
@@ -32,24 +45,24 @@ class EngineConfig:
     # listener call (~1 us) per 100+ ms layer on a CPU; on a GPU the host runs ahead of the
     # device, so a report says the layer was queued, not finished.
     progress_every_layers: int = 1
-    # A prefill given a between-operators hook (the batched worker's decode slotter) runs each
-    # half of a layer over at most this many rows of its chunk at a time and calls the hook
-    # between them too: decode steps are slotted in at boundaries ~C/rows times finer than a
-    # layer's halves, while the chunk's K/V and results stay those of one chunk. Preemption is
-    # still checked where ``check`` says. None: hooked prefills run layers (or halves) whole.
-    slot_rows: int | None = 512
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive (or None), got {self.chunk_size}")
         if self.check not in CHECK_GRANULARITIES:
-            raise ValueError(f"check must be half, layer, chunk or none, got {self.check!r}")
+            raise ValueError(
+                f"check must be one of {', '.join(CHECK_GRANULARITIES)}, got {self.check!r}"
+            )
         if self.memory_cap_bytes < 0:
             raise ValueError("memory_cap_bytes must be >= 0")
         if self.progress_every_layers < 0:
             raise ValueError("progress_every_layers must be >= 0")
-        if self.slot_rows is not None and self.slot_rows <= 0:
-            raise ValueError(f"slot_rows must be positive (or None), got {self.slot_rows}")
+        if self.preempt_budget_ms is not None and not self.preempt_budget_ms > 0:
+            raise ValueError(
+                f"preempt_budget_ms must be > 0 (or None), got {self.preempt_budget_ms}"
+            )
+        if self.block_rows is not None and self.block_rows <= 0:
+            raise ValueError(f"block_rows must be positive (or None), got {self.block_rows}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,7 @@ class WorkerConfig:
     chunk_size: int | None = EngineConfig.chunk_size
     check: CheckGranularity = EngineConfig.check
     memory_cap_bytes: int = EngineConfig.memory_cap_bytes  # all suspended requests together
+    preempt_budget_ms: float | None = EngineConfig.preempt_budget_ms
     heartbeat_interval_s: float = 0.5
     reconnect_min_s: float = 0.1
     reconnect_max_s: float = 5.0
@@ -133,5 +147,8 @@ class WorkerConfig:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            chunk_size=self.chunk_size, check=self.check, memory_cap_bytes=self.memory_cap_bytes
+            chunk_size=self.chunk_size,
+            check=self.check,
+            memory_cap_bytes=self.memory_cap_bytes,
+            preempt_budget_ms=self.preempt_budget_ms,
         )

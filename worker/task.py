@@ -11,6 +11,7 @@ layers, so they could not be rebuilt from it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,12 +31,15 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a stopped task continues. ``half`` 1 means: the attention half of ``layer`` ran,
-    its MLP half did not. ``tokens_done`` counts prompt tokens that went through every layer."""
+    its MLP half did not. ``rows_done``: that many rows of the chunk went through the half
+    it stopped in (a stop between row blocks). ``tokens_done`` counts prompt tokens that went
+    through every layer."""
 
     chunk: int
     layer: int
     half: int
     tokens_done: int
+    rows_done: int = 0
 
 
 @dataclass
@@ -47,12 +51,32 @@ class ChunkContext:
     position_ids: torch.Tensor
     rotary: tuple[torch.Tensor, torch.Tensor]
     masks: dict[str, torch.Tensor | None]  # layer type -> mask (None: causal fast path)
+    # Layer type -> the chunk's mask as the additive float mask that row blocks slice; made on
+    # first use (``block_mask``).
+    block_masks: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def block_mask(
+        self, layer_type: str, additive: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The whole chunk's mask (rows against keys [0, end)) in ``additive`` form; a mask of
+        None (SDPA's causal fast path) made explicit."""
+        made = self.block_masks.get(layer_type)
+        if made is None:
+            mask = self.masks[layer_type]
+            if mask is None:
+                queries = self.position_ids[0].unsqueeze(1)
+                keys = torch.arange(self.end, device=queries.device).unsqueeze(0)
+                mask = (keys <= queries)[None, None]
+            made = additive(mask) if mask.dtype == torch.bool else mask
+            self.block_masks[layer_type] = made
+        return made
 
     def nbytes(self) -> int:
         tensors = [
             self.position_ids,
             *self.rotary,
             *(m for m in self.masks.values() if m is not None),
+            *self.block_masks.values(),
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -65,11 +89,16 @@ class ExecutionState:
     half: int = 0
     hidden: torch.Tensor | None = None  # activations between two operators of the current chunk
     context: ChunkContext | None = None
+    # Stopped inside an operator, between two row blocks (worker.row_blocks): the rows done
+    # and the operator's output for them (rows past ``rows_done`` are not written yet).
+    rows_done: int = 0
+    partial: torch.Tensor | None = None
 
     def nbytes(self) -> int:
         held = self.cache.nbytes
-        if self.hidden is not None:
-            held += self.hidden.numel() * self.hidden.element_size()
+        for tensor in (self.hidden, self.partial):
+            if tensor is not None:
+                held += tensor.numel() * tensor.element_size()
         if self.context is not None:
             held += self.context.nbytes()
         return held
@@ -119,7 +148,7 @@ class Task:
         s = self.state
         if s is None:
             return ResumePoint(chunk=0, layer=0, half=0, tokens_done=0)
-        return ResumePoint(chunk=s.chunk, layer=s.layer, half=s.half, tokens_done=self.tokens_done)
+        return ResumePoint(s.chunk, s.layer, s.half, self.tokens_done, s.rows_done)
 
     def held_bytes(self) -> int:
         return 0 if self.state is None else self.state.nbytes()

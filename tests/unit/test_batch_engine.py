@@ -120,7 +120,7 @@ def test_eight_requests_joining_at_different_steps_match_generate(request, model
 def test_decode_steps_slotted_between_row_blocks_change_no_result(
     request, model_fixture, attn, check
 ):
-    """A hooked prefill with ``slot_rows`` runs each half of a layer in blocks of rows, the hook
+    """A hooked prefill with ``block_rows`` runs each half of a layer in blocks of rows, the hook
     between them, whatever its preemption checks. A decode step at every one of those boundaries
     (decoders finishing and leaving meanwhile) leaves the prefill's first-token logits and every
     decoder's tokens as the model gives them alone."""
@@ -128,7 +128,7 @@ def test_decode_steps_slotted_between_row_blocks_change_no_result(
     vocab = model.config.vocab_size
     engine = BatchEngine(
         model,
-        EngineConfig(chunk_size=16, check=check, slot_rows=5),
+        EngineConfig(chunk_size=16, check=check, block_rows=5),
         BatchConfig(max_batch_size=3, pool_slots=4, slot_tokens=192),
     )
     decoders = {f"d{i}": prompt(n, vocab, seed=10 + i) for i, n in enumerate((7, 19, 30))}

@@ -152,16 +152,17 @@ def queue_service():
 
 
 class LayerGate:
-    """Once armed, holds the engine thread in the pre-hook of one decoder layer until the
-    preemption flag is raised or ``release`` is set. Sleeping there releases the GIL, so the
-    control thread keeps receiving commands meanwhile."""
+    """Once armed, holds the engine thread in the pre-hook of one decoder layer's attention
+    (called once a layer, whether the engine runs whole layers or a chunk's halves in one
+    block each) until the preemption flag is raised or ``release`` is set. Sleeping there
+    releases the GIL, so the control thread keeps receiving commands meanwhile."""
 
     def __init__(self, layers: torch.nn.ModuleList, worker: WorkerProcess) -> None:
         self._worker = worker
         self._skip: int | None = None
         self.reached = threading.Event()
         self.release = threading.Event()
-        self._handles = [layer.register_forward_pre_hook(self._hook) for layer in layers]
+        self._handles = [layer.self_attn.register_forward_pre_hook(self._hook) for layer in layers]
 
     def arm(self, after_layers: int) -> None:
         """Hold at the layer call that follows ``after_layers`` calls."""
@@ -263,7 +264,7 @@ def test_hello_first_then_assign_streams_progress_first_token_and_done(
         "cpu",
         "float32",
     )
-    assert (hello.body.num_layers, hello.body.chunk_size, hello.body.check) == (4, 16, "layer")
+    assert (hello.body.num_layers, hello.body.chunk_size, hello.body.check) == (4, 16, "block")
     ids = prompt(40, 1)
     expected = greedy_first_token(tiny_llama, ids)
 
@@ -303,9 +304,10 @@ def test_preempt_while_running_then_resume_gives_the_uninterrupted_token(
     expected = greedy_first_token(tiny_llama, ids)
 
     preempted = preempt_mid_prefill(worker, session, "long", ids).body
-    # Held in layer 1 of chunk 1: it stops at the next layer boundary, after layer 1.
+    # Held in layer 1's attention, chunk 1: it stops at the next boundary, after that half
+    # (its 16 rows are one block).
     assert preempted.resume_point == worker_pb2.ResumePoint(
-        chunk=1, layer=2, half=0, tokens_done=16
+        chunk=1, layer=1, half=1, tokens_done=16
     )
     assert preempted.held_bytes > 0 and not preempted.state_dropped
     assert preempted.latency_ms >= 0
