@@ -42,7 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--check",
         choices=CHECK_GRANULARITIES,
         default=defaults.check,
-        help="where the engine reads the preemption flag",
+        help="where the engine reads the preemption flag (block: between row blocks that fit "
+        "--preempt-budget-ms)",
+    )
+    parser.add_argument(
+        "--preempt-budget-ms",
+        type=float,
+        default=defaults.preempt_budget_ms,
+        help="the longest one row block of a prefill may take; 0: operators run whole",
     )
     parser.add_argument(
         "--memory-cap-bytes",
@@ -93,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         device=args.device,
         chunk_size=args.chunk_size or None,
         check=args.check,
+        preempt_budget_ms=args.preempt_budget_ms or None,
         memory_cap_bytes=args.memory_cap_bytes,
         heartbeat_interval_s=args.heartbeat_interval,
         reconnect_min_s=args.reconnect_min,

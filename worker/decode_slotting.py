@@ -1,15 +1,16 @@
-"""Decode steps slotted into a long prefill at layer boundaries, when a row would miss its TBT.
+"""Decode steps slotted into a long prefill at its boundaries, when a row would miss its TBT.
 
 While one long prefill runs, the decode batch would otherwise wait for all of it: the time
 between tokens (TBT) of every decoding request becomes the prefill's time. The slotter is the
-prefill's ``between_layers`` hook: at each boundary it checks whether waiting one more operator
-(a layer, or half of one with ``check="half"``) plus one decode step would push any row past
-its last token + its tier's TBT target, and if so runs one decode step there. TBT is then
-bounded by about one operator plus one decode step, whatever the chunk size, and the prefill
-pays only for the steps that a target actually needed.
+prefill's ``between_layers`` hook: at each boundary (a row block, a half, a layer; the engine's
+row blocks each fit its preemption budget, ``worker.row_blocks``) it checks whether waiting one
+more block plus one decode step would push any row past its last token + its tier's TBT
+target, and if so runs one decode step there. TBT is then bounded by about one block plus one
+decode step, whatever the chunk size, and the prefill pays only for the steps that a target
+actually needed.
 
-The operator and step times are learnt as it runs (a fast-rising, slowly-falling average, so
-one slow layer is not forgotten at once). The clock is passed in, for tests.
+The block and step times are learnt as it runs (a fast-rising, slowly-falling average, so
+one slow block is not forgotten at once). The clock is passed in, for tests.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class DecodeSlotter:
         self.on_step = on_step
         self.listener = listener
         self.clock = clock
-        self.operator_s = 0.0  # one prefill operator (time between two boundaries)
+        self.operator_s = 0.0  # one prefill block (time between two boundaries)
         self.step_s = 0.0  # one decode step of the current batch
         self.slotted_steps = 0
         self._last_token_at: dict[str, float] = {}

@@ -5,9 +5,10 @@ the workers and the safety rules common to all policies (preemption bound, aging
 
 Each policy also says what the engine must do for it, so a benchmark configures the same
 engine per policy from the policy object alone:
-  ``engine_check``  where the engine polls the preemption flag: "layer" (every layer
-                    boundary), "half" (also between a layer's attention and MLP), "chunk"
-                    (only at chunk ends), "none" (never: runs to completion)
+  ``engine_check``  where the engine polls the preemption flag: "block" (between row blocks
+                    that each fit the worker's preemption budget, ``worker.row_blocks``),
+                    "layer" (every layer boundary), "half" (also between a layer's attention
+                    and MLP), "chunk" (only at chunk ends), "none" (never: runs to completion)
   ``preempts``      whether the policy ever issues Preempt
   ``drop_state``    whether its Preempt asks the worker to drop the KV state (recompute later)
 
@@ -17,14 +18,14 @@ Policies (docs/design.md, "Scheduling"):
   chunked      tier order; preempts on any strictly higher waiting tier; the engine switches at
                the next chunk boundary (vLLM/Sarathi-style); state kept
   recompute    tier order; preempts on any strictly higher waiting tier, dropping the state
-               (SGLang/vLLM recompute-style); the engine stops at the next layer
+               (SGLang/vLLM recompute-style); the engine stops at the next row block (its
+               best setting: the stop is as quick as flowprefill's, only the state is lost)
   flowprefill  EDF over deadlines, late work re-deadlined within its tier, and a tier guard
                (see ``FlowPrefill``); preempts a lower tier's prefill that can spare the time,
                or, when a waiting request outranks the running one, if it would miss its SLO
                by waiting (predictions inflated by the predictor's observed error), or is
-               late already, or its wake-up fired; the engine stops at the next layer; state
-               kept. A
-               request that waits on a prediction gets a wake-up at the last moment a
+               late already, or its wake-up fired; the engine stops at the next row block,
+               within the preemption budget; state kept. A request that waits on a prediction gets a wake-up at the last moment a
                preemption still saves it (``latest_start_s``).
 
 Ablations (``ABLATIONS``, benchmarks only: `tierflow bench --ablations`), each flowprefill or a
@@ -34,7 +35,8 @@ baseline with one part swapped, so that each part of the gain shows on the same 
   priority-layer         tier order with preemption on any higher waiting tier (chunked's
                          rules), stopping at the next layer, state kept
   flowprefill-recompute  flowprefill, dropping the victim's state (recomputed when it resumes)
-  flowprefill-half       flowprefill, also stopping between a layer's attention and MLP
+  flowprefill-layer      flowprefill, stopping at layer boundaries only (its interruption
+                         points bounded by the model's structure, not by time)
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any, ClassVar, Literal
 
 from queue_service.scheduler.request import Request
 
-EngineCheck = Literal["half", "layer", "chunk", "none"]
+EngineCheck = Literal["block", "half", "layer", "chunk", "none"]
 SortKey = tuple[float, ...]
 
 
@@ -184,7 +186,7 @@ class Chunked(Priority):
 
 class Recompute(Chunked):
     name = "recompute"
-    engine_check = "layer"
+    engine_check = "block"
     drop_state = True
 
     def victim_key(
@@ -209,7 +211,7 @@ class FlowPrefill(SchedulingPolicy):
     Tier guard (``holds_off``, ``guarded``): a request that can still make its deadline goes
     before lower-tier work that EDF ranks first, and preempts it if it runs, unless that work
     would miss its own deadline by waiting for it (then it keeps its turn) and the request can
-    afford to wait (else it goes first anyway). Stopping a prefill costs it one layer and no
+    afford to wait (else it goes first anyway). Stopping a prefill costs it one row block and no
     work, while waiting on a prediction loses the deadline whenever the prediction is wrong.
     Lower tiers never preempt a higher tier's prefill, so the two rules cannot undo each other.
 
@@ -220,11 +222,11 @@ class FlowPrefill(SchedulingPolicy):
     wake-up fired (it waited on a prediction that turned out wrong).
 
     ``switch_s``: the least time assumed for a preemption to take effect; the scheduler
-    passes the observed p95 (about one layer) when that is longer.
+    passes the observed p95 (about the preemption budget) when that is longer.
     """
 
     name = "flowprefill"
-    engine_check = "layer"
+    engine_check = "block"
     preempts = True
     guards_tiers = True
     reads_deadlines = True
@@ -347,9 +349,9 @@ class FlowPrefillRecompute(FlowPrefill):
     drop_state = True
 
 
-class FlowPrefillHalfStops(FlowPrefill):
-    name = "flowprefill-half"
-    engine_check = "half"
+class FlowPrefillLayerStops(FlowPrefill):
+    name = "flowprefill-layer"
+    engine_check = "layer"
 
 
 ABLATIONS: dict[str, type[SchedulingPolicy]] = {
@@ -358,7 +360,7 @@ ABLATIONS: dict[str, type[SchedulingPolicy]] = {
         FlowPrefillChunkStops,
         PriorityLayerStops,
         FlowPrefillRecompute,
-        FlowPrefillHalfStops,
+        FlowPrefillLayerStops,
     )
 }
 

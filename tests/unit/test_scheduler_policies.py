@@ -14,13 +14,13 @@ from queue_service.scheduler.policies import ABLATIONS, Chunked
         ("fifo", "none", False, False),
         ("priority", "none", False, False),
         ("chunked", "chunk", True, False),
-        ("recompute", "layer", True, True),
-        ("flowprefill", "layer", True, False),
+        ("recompute", "block", True, True),
+        ("flowprefill", "block", True, False),
         # Ablations: flowprefill or a baseline with one part swapped.
         ("flowprefill-chunk", "chunk", True, False),
         ("priority-layer", "layer", True, False),
-        ("flowprefill-recompute", "layer", True, True),
-        ("flowprefill-half", "half", True, False),
+        ("flowprefill-recompute", "block", True, True),
+        ("flowprefill-layer", "layer", True, False),
     ],
 )
 def test_each_policy_states_its_engine_needs(name, check, preempts, drop_state):
@@ -43,7 +43,7 @@ def test_factory_knows_every_policy_and_rejects_unknown_names():
 
 def test_ablations_keep_their_parents_rules_but_not_their_registry_entry():
     assert set(ABLATIONS) & set(POLICIES) == set()  # `tierflow bench` runs the five by default
-    for name in ("flowprefill-chunk", "flowprefill-recompute", "flowprefill-half"):
+    for name in ("flowprefill-chunk", "flowprefill-recompute", "flowprefill-layer"):
         assert isinstance(make_policy(name, switch_s=0.01), FlowPrefill)
     assert isinstance(make_policy("priority-layer"), Chunked)
 
