@@ -47,15 +47,21 @@ class DecodeSlotter:
         self.slotted_steps = 0
         self._last_token_at: dict[str, float] = {}
         self._boundary_at: float | None = None
+        self._prefill_target_s = float("inf")  # the running prefill's own TBT target
 
     def joined(self, task: Task, at: float | None = None) -> None:
         """``task`` joined the batch; its TBT counts from its last token (now by default)."""
         self._last_token_at[task.request_id] = self.clock() if at is None else at
 
-    def prefill_started(self) -> None:
-        """A prefill run is about to start: step first if its first operator would be too
-        late; the time before this call is no operator's."""
+    def prefill_started(self, target_s: float = float("inf")) -> None:
+        """A prefill run is about to start: step first if its first block would be too late;
+        the time before this call is no block's. ``target_s`` is the prefill's own TBT target
+        (its tier's): inside it, only rows whose target is as tight get a step. A slotted step
+        delays the prefill by its time, and a lower tier's rows must never cost a higher
+        tier's prefill its TTFT deadline (the worker does not know that deadline; the tier
+        order it knows, from the targets). Those rows step when the prefill ends."""
         self._boundary_at = None
+        self._prefill_target_s = target_s
         self()
 
     def step(self, *, slotted: bool = False) -> StepResult:
@@ -76,20 +82,27 @@ class DecodeSlotter:
     def forget(self, task: Task) -> None:
         self._last_token_at.pop(task.request_id, None)
 
-    def deadline(self) -> float:
-        """The earliest time by which some row needs its next token."""
+    def deadline(self, tightest_s: float = float("inf")) -> float:
+        """The earliest time by which some row (of a TBT target up to ``tightest_s``) needs
+        its next token."""
         last = self._last_token_at
         return min(
-            (last.get(t.request_id, 0.0) + self.tbt_target_s(t) for t in self.engine.rows),
+            (
+                last.get(t.request_id, 0.0) + target
+                for t in self.engine.rows
+                if (target := self.tbt_target_s(t)) <= tightest_s
+            ),
             default=float("inf"),
         )
 
     def __call__(self) -> None:
-        """At a prefill boundary: step now if waiting one more operator would be too late."""
+        """At a prefill boundary: step now if waiting one more block would be too late for a
+        row whose target is as tight as the prefill's."""
         now = self.clock()
         if self._boundary_at is not None:
             self.operator_s = _learn(self.operator_s, now - self._boundary_at)
-        if self.engine.rows and now + self.operator_s + self.step_s > self.deadline():
+        due = self.deadline(self._prefill_target_s)
+        if self.engine.rows and now + self.operator_s + self.step_s > due:
             self.step(slotted=True)
             self.slotted_steps += 1
             now = self.clock()

@@ -1,0 +1,68 @@
+"""The decode slotter's rule, with a fake clock and a fake batch (one module under test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.batch_engine import StepResult
+from worker.decode_slotting import DecodeSlotter
+
+CRITICAL, STANDARD = 0.4, 1.0  # TBT targets of config/tiers.toml
+
+
+@dataclass(eq=False)
+class Row:
+    request_id: str
+    target_s: float
+
+
+class FakeBatch:
+    """Rows that never finish; each step takes ``step_s`` of the fake clock."""
+
+    def __init__(self, clock: list[float], rows: list[Row], step_s: float = 0.02) -> None:
+        self.clock, self.rows, self.step_s, self.steps = clock, rows, step_s, 0
+
+    def decode_step(self, listener) -> StepResult:
+        self.clock[0] += self.step_s
+        self.steps += 1
+        rows = tuple(self.rows)
+        return StepResult(rows, tuple(0 for _ in rows), torch.empty(0), ())
+
+
+def slotter_over(rows: list[Row]) -> tuple[DecodeSlotter, FakeBatch, list[float]]:
+    clock = [0.0]
+    batch = FakeBatch(clock, rows)
+    slotter = DecodeSlotter(batch, lambda row: row.target_s, clock=lambda: clock[0])
+    for row in rows:
+        slotter.joined(row, at=0.0)
+    return slotter, batch, clock
+
+
+def run_prefill(slotter: DecodeSlotter, clock: list[float], target_s: float, blocks: int) -> None:
+    """A prefill of ``blocks`` blocks of 20 ms, the slotter at every boundary."""
+    slotter.prefill_started(target_s)
+    for _ in range(blocks):
+        clock[0] += 0.02
+        slotter()
+
+
+def test_a_critical_prefill_takes_no_step_for_lower_tier_rows():
+    slotter, batch, clock = slotter_over([Row("s", STANDARD)])
+    run_prefill(slotter, clock, CRITICAL, blocks=100)  # 2 s: the row is long overdue
+    assert batch.steps == 0
+
+
+def test_a_critical_prefill_steps_for_critical_rows_within_their_target():
+    slotter, batch, clock = slotter_over([Row("c", CRITICAL), Row("s", STANDARD)])
+    run_prefill(slotter, clock, CRITICAL, blocks=100)
+    assert batch.steps >= 4  # about one a 0.4 s target over 2 s of prefill and steps
+    assert clock[0] - slotter._last_token_at["c"] < CRITICAL
+
+
+def test_a_lower_tier_prefill_steps_for_every_tighter_row():
+    slotter, batch, clock = slotter_over([Row("s", STANDARD)])
+    run_prefill(slotter, clock, float("inf"), blocks=100)  # a batch-tier prefill, say
+    assert batch.steps >= 1
+    assert clock[0] - slotter._last_token_at["s"] < STANDARD
