@@ -16,6 +16,8 @@ from worker.config import BatchConfig, EngineConfig
 def _engine_bench(args: argparse.Namespace) -> int:
     if args.batch:
         return _batch_bench(args)
+    if args.blocks:
+        return _interruption_bench(args)
     from bench.engine_bench import EngineBenchConfig, main
 
     overrides = {
@@ -29,6 +31,27 @@ def _engine_bench(args: argparse.Namespace) -> int:
         if v is not None
     }
     cfg = EngineBenchConfig.quick(**overrides) if args.quick else EngineBenchConfig(**overrides)
+    main(cfg, args.json, args.plot)
+    return 0
+
+
+def _interruption_bench(args: argparse.Namespace) -> int:
+    from bench.interruption_bench import InterruptionBenchConfig, main
+
+    overrides = {
+        k: v
+        for k, v in {
+            "model": args.model,
+            "device": args.device,
+            "prompt_tokens": args.prompt_tokens,
+            "budget_ms": args.budget_ms,
+            "latency_samples": args.samples,
+            "slowdown_pairs": args.repeats,
+        }.items()
+        if v is not None
+    }
+    quick = InterruptionBenchConfig.quick
+    cfg = quick(**overrides) if args.quick else InterruptionBenchConfig(**overrides)
     main(cfg, args.json, args.plot)
     return 0
 
@@ -289,10 +312,23 @@ def _add_engine_bench(sub) -> None:
         "tokens during a long prefill (sequential / per chunk / slotted at layers)",
     )
     eb.add_argument(
+        "--blocks",
+        action="store_true",
+        help="interruption points bounded in time: preemption latency between row blocks vs at "
+        "layers, at C=512, 2048 and the whole prompt, and the blocks' prefill slowdown",
+    )
+    eb.add_argument(
+        "--budget-ms", type=float, help="--blocks: the preemption budget (default: the engine's)"
+    )
+    eb.add_argument(
+        "--samples", type=_positive_int, help="--blocks: latency samples per C and check"
+    )
+    eb.add_argument(
         "--repeats",
         type=_positive_int,
         help="--batch: prefills per TBT run, each paired with one alone (default: "
-        "BatchBenchConfig.repeats in bench/batch_bench.py); more narrow the slowdown's interval",
+        "BatchBenchConfig.repeats in bench/batch_bench.py); --blocks: slowdown pairs per C; "
+        "more narrow the slowdown's interval",
     )
     eb.add_argument(
         "--tbt-sweep",
