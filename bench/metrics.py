@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 from scipy.stats import binomtest, ttest_1samp
 
 from bench.harness import RunResult
@@ -47,6 +49,7 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
                 q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))
             },
             "preemptions": sum(r.preemptions for r in mine),
+            "misses_behind_own_tier": _misses_behind_own_tier(accepted, slo_ms / 1000),
             # Waited the aging threshold before their first token: from then on the scheduler
             # put them first in line and no longer preempted them.
             "aged": None if starvation_s is None else sum(t >= starvation_s * 1000 for t in ttfts),
@@ -92,6 +95,22 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
         "lost": sum(r.done_at is None and r.rejected is None for r in records),
         "tiers": per_tier,
     }
+
+
+def _misses_behind_own_tier(records, slo_s: float) -> int:
+    """SLO misses during whose wait another request of the same tier got its first token:
+    the tier's own load made them late (more of the tier than the machine can serve at once),
+    not lower-tier work that preemption should have cleared."""
+    firsts = sorted(r.first_token_at for r in records if r.first_token_at is not None)
+    behind = 0
+    for r in records:
+        ttft = r.ttft_s
+        if ttft is not None and ttft <= slo_s:
+            continue
+        end = r.first_token_at if r.first_token_at is not None else float("inf")
+        i = bisect.bisect_right(firsts, r.arrived_at)
+        behind += i < len(firsts) and firsts[i] < end
+    return behind
 
 
 def _tbt(records, target_s: float | None) -> dict:

@@ -71,6 +71,8 @@ def judge(summary: dict) -> dict:
             "met": met, "n": t["n"], "rejected": t["rejected"], "attainment": met / t["n"],
             "ci95": list(wilson_interval(met, t["n"])),
             "aged": t.get("aged"),  # None: a run from before the bench counted them
+            # Misses while another request of the tier got its first token: its own load.
+            "misses_behind_own_tier": t.get("misses_behind_own_tier"),
         }  # fmt: skip
     return {
         "tiers": tiers,
@@ -199,7 +201,10 @@ def render(result: dict, console: Console) -> None:
         title=f"sustained rates: each tier's share within its SLO (95% interval); goodput needs "
         f"every lower bound >= {result['target']:.0%}"
     )
-    columns = ("seed", "x", "req/s", "policy", "tiers (met/n, lower bound)", "busy", "shed / aged")
+    columns = (
+        "seed", "x", "req/s", "policy", "tiers (met/n, lower bound)", "busy", "shed / aged",
+        "top misses (own tier)",
+    )  # fmt: skip
     for column in columns:
         table.add_column(
             column, justify="left" if column.startswith(("policy", "tiers")) else "right"
@@ -211,7 +216,7 @@ def render(result: dict, console: Console) -> None:
             )
             table.add_row(
                 str(point["seed"]), f"{point['factor']:g}", f"{point['rate_per_s']:.2f}", name,
-                tiers, f"{p['busy_fraction']:.0%}", shed_and_aged(p),
+                tiers, f"{p['busy_fraction']:.0%}", shed_and_aged(p), top_misses(p),
             )  # fmt: skip
     console.print(table)
     good = Table(title="goodput at sustained rates (req/s) per seed")
@@ -230,6 +235,14 @@ def shed_and_aged(point_policy: dict) -> str:
     shed = sum(t["rejected"] for t in tiers)
     aged = [t.get("aged") for t in tiers]
     return f"{shed} / {'-' if None in aged else sum(aged)}"
+
+
+def top_misses(point_policy: dict) -> str:
+    """The top tier's misses, and how many of them waited while another request of that tier
+    got its first token (the tier's own load, not lower-tier work)."""
+    top = next(iter(point_policy["tiers"].values()))
+    behind = top.get("misses_behind_own_tier")
+    return f"{top['n'] - top['met']} ({'-' if behind is None else behind})"
 
 
 def tiers_of(result: dict) -> list[str]:
