@@ -15,15 +15,16 @@ to, so the planner learns it as the engine runs (``observe``) instead of being t
   as much per row as attending to ``hidden + kv_dim`` keys (their multiply-adds per row), and
   the scores and values cost one unit per key. The measured rate absorbs how efficiently the
   machine runs each; a block late in a long chunk, whose rows see many keys, gets fewer rows.
-Each operator's rate (seconds per unit) is learnt from the blocks it ran: it rises at once to a
-slower sample and falls a fifth of the way to a faster one, so one slow block is not forgotten
-at once. A block's fixed cost (module calls, slicing) is part of its sample, so the rate of a
-small block reads high and the sizes settle where a block's whole time, fixed cost included,
-is the target. Blocks aim at ``fill`` of the budget, which leaves room for the noise of a
-shared machine. They never go below ``min_rows``: under heavy contention the fixed cost of a
-block grows (threads descheduled at every operator), and a run under a load of 3 on 2 cores
-fell to 16-row blocks and ran 5x slower; 128 rows of the presets here take a few ms. Before the
-first sample of an operator the planner does not know its cost and starts with ``min_rows``.
+Each operator's rate (seconds per unit) is the lower quartile of its last ``window`` blocks'
+rates: the machine's own speed. A block's fixed cost (module calls, slicing) is part of its
+sample, so the sizes settle where a block's whole time, fixed cost included, is the target.
+Contention is not followed down: when neighbours take the cores, every operator of a block
+waits for descheduled threads, blocks take longer whatever their size, and smaller ones only
+multiply those waits (a planner that shrank blocks after slow samples fell to its smallest
+blocks under a load of 3 on 2 cores and ran 5-15x slower than the unsplit prefill). A slowdown
+that lasts most of a window does move the quartile. Blocks aim at ``fill`` of the budget, which
+leaves room for noise, and never have fewer than ``min_rows`` rows. Before the first sample of
+an operator the planner does not know its cost and starts with ``min_rows``.
 
 Where one operator fits the budget (a short chunk, a GPU), there is one block and nothing
 changes. ``fixed_rows`` replaces the learnt size with a constant (tests).
@@ -51,6 +52,7 @@ class BlockRule:
     fill: float = 0.8  # aim at this share of the budget
     min_rows: int = 128
     align: int = 16  # block sizes rounded down to a multiple of this
+    window: int = 32  # the blocks of an operator whose rates the planner keeps
     fixed_rows: int | None = None  # a constant block size instead of the learnt one
 
 
@@ -59,7 +61,7 @@ class RowBlockPlanner:
 
     def __init__(self, rule: BlockRule) -> None:
         self.rule = rule
-        self.rate: dict[str, float] = {}  # seconds per unit, per operator; absent: unknown
+        self._rates: dict[str, deque[float]] = {}  # per operator: recent seconds per unit
         self.samples = 0
 
     def units(self, operator: str, rows: int, keys: int) -> float:
@@ -73,7 +75,7 @@ class RowBlockPlanner:
         rule = self.rule
         if rule.fixed_rows is not None:
             return min(rule.fixed_rows, remaining)
-        rate = self.rate.get(operator)
+        rate = self.rate(operator)
         if rate is None:
             return min(rule.min_rows, remaining)
         units = rule.budget_s * rule.fill / rate
@@ -92,16 +94,21 @@ class RowBlockPlanner:
     def observe(self, operator: str, rows: int, keys: int, seconds: float) -> None:
         """One block of ``operator`` over ``rows`` rows, its rows seeing up to ``keys`` keys,
         took ``seconds``."""
-        sample = seconds / max(self.units(operator, rows, keys), 1.0)
-        known = self.rate.get(operator)
-        if known is None or sample > known:
-            self.rate[operator] = sample
-        else:
-            self.rate[operator] = known + 0.2 * (sample - known)
+        rates = self._rates.setdefault(operator, deque(maxlen=self.rule.window))
+        rates.append(seconds / max(self.units(operator, rows, keys), 1.0))
         self.samples += 1
 
+    def rate(self, operator: str) -> float | None:
+        """Seconds per unit of ``operator``: the lower quartile of its recent blocks; None
+        before the first."""
+        rates = self._rates.get(operator)
+        if not rates:
+            return None
+        ordered = sorted(rates)
+        return ordered[(len(ordered) - 1) // 4]
+
     def predicted_s(self, operator: str, rows: int, keys: int) -> float | None:
-        rate = self.rate.get(operator)
+        rate = self.rate(operator)
         return None if rate is None else rate * self.units(operator, rows, keys)
 
 
