@@ -88,27 +88,46 @@ class WorkerMetrics:
         window_s: float = 1.0,
         decoding: Callable[[], int] = lambda: 0,
     ) -> None:
-        """``busy_seconds``: the runner's engine time so far (``worker.busy_clock``);
-        ``decoding``: rows of a batched engine's decode batch."""
+        """Sample every ``SAMPLE_S`` on a thread of its own (see ``sampler``)."""
+        sample = self.sampler(running, busy_seconds, suspended_bytes, held, window_s, decoding)
+
+        def loop() -> None:
+            while not self._stop.wait(SAMPLE_S):
+                sample()
+
+        threading.Thread(target=loop, name="worker-metrics", daemon=True).start()
+
+    def sampler(
+        self,
+        running: Callable[[], str | None],
+        busy_seconds: Callable[[], float],
+        suspended_bytes: Callable[[], int],
+        held: Callable[[], int],
+        window_s: float = 1.0,
+        decoding: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Callable[[], None]:
+        """One sample per call. ``busy_seconds``: the runner's engine time so far
+        (``worker.busy_clock``); ``decoding``: rows of a batched engine's decode batch;
+        ``clock``: a parameter so that a test can drive the samples without sleeping."""
+        # (when, busy seconds) over the last window, oldest first.
+        span = max(2, round(window_s / SAMPLE_S) + 1)
+        readings = deque([(clock(), busy_seconds())], maxlen=span)
 
         def sample() -> None:
-            # (when, busy seconds) over the last window, oldest first.
-            span = max(2, round(window_s / SAMPLE_S) + 1)
-            readings = deque([(time.monotonic(), busy_seconds())], maxlen=span)
-            while not self._stop.wait(SAMPLE_S):
-                last_busy = readings[-1][1]
-                busy = max(busy_seconds(), last_busy)  # a counter never goes back
-                self.busy_s.inc(busy - last_busy)
-                readings.append((time.monotonic(), busy))
-                (t0, b0), (t1, b1) = readings[0], readings[-1]
-                self.busy_fraction.set(min(1.0, (b1 - b0) / (t1 - t0)))
-                self.batch_size.set(int(running() is not None) + decoding())
-                self.held.set(held())
-                # RuntimeError: the engine changed its table mid-read; the next sample reads it.
-                with contextlib.suppress(RuntimeError):
-                    self.suspended.set(suspended_bytes())
+            last_busy = readings[-1][1]
+            busy = max(busy_seconds(), last_busy)  # a counter never goes back
+            self.busy_s.inc(busy - last_busy)
+            readings.append((clock(), busy))
+            (t0, b0), (t1, b1) = readings[0], readings[-1]
+            self.busy_fraction.set(min(1.0, (b1 - b0) / (t1 - t0)))
+            self.batch_size.set(int(running() is not None) + decoding())
+            self.held.set(held())
+            # RuntimeError: the engine changed its table mid-read; the next sample reads it.
+            with contextlib.suppress(RuntimeError):
+                self.suspended.set(suspended_bytes())
 
-        threading.Thread(target=sample, name="worker-metrics", daemon=True).start()
+        return sample
 
     def stop(self) -> None:
         self._stop.set()
