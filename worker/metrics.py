@@ -9,7 +9,9 @@
   ``tierflow_worker_requests_held``: assigned and not finished (running, queued or suspended);
 * ``tierflow_layer_seconds``: the time of one decoder layer over one chunk, from the engine's
   per-layer progress reports;
-* ``tierflow_worker_suspended_bytes``: what suspended requests hold on this worker.
+* ``tierflow_worker_suspended_bytes``: what suspended requests hold on this worker;
+* ``tierflow_decode_step_rows``: the rows (requests) of each decode step of a batched engine,
+  counted as each step ends (how full the batch runs; not sampled).
 
 A thread of its own reads the runner's busy total (``worker.busy_clock``: the runner times every
 run, so a run shorter than the sampling period counts too) and its tables every ``SAMPLE_S``:
@@ -27,9 +29,18 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tierflow.metrics import DEPLOYMENT_LABEL
-from worker.events import Cancelled, Failed, Finished, Preempted, Progress, RunnerEvent
+from worker.events import (
+    Cancelled,
+    DecodeStepDone,
+    Failed,
+    Finished,
+    Preempted,
+    Progress,
+    RunnerEvent,
+)
 
 SAMPLE_S = 0.05
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _LAYER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LABELS = [DEPLOYMENT_LABEL, "worker"]
 
@@ -60,11 +71,18 @@ class WorkerMetrics:
             "tierflow_worker_suspended_bytes", "Bytes held by suspended requests",
             _LABELS, registry=r,
         ).labels(*labels)  # fmt: skip
+        self.decode_rows = Histogram(
+            "tierflow_decode_step_rows", "Rows in one decode step of a batched engine",
+            _LABELS, buckets=_ROW_BUCKETS, registry=r,
+        ).labels(*labels)  # fmt: skip
         self._last_layer: dict[str, Progress] = {}  # engine thread only
         self._stop = threading.Event()
 
     def observe(self, event: RunnerEvent) -> None:
         """Called on the engine thread for each event."""
+        if isinstance(event, DecodeStepDone):
+            self.decode_rows.observe(len(event.request_ids))
+            return
         rid = event.request_id
         if isinstance(event, Progress) and event.layers_done > 0:
             prev = self._last_layer.get(rid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker.busy_clock import BusyClock
+from worker.events import DecodeStepDone
 from worker.metrics import SAMPLE_S, WorkerMetrics
 
 
@@ -38,3 +39,17 @@ def test_a_run_shorter_than_the_sampling_period_is_counted():
     # Five samples a period apart, each a tenth busy: the window's fraction is a tenth.
     fraction = metrics.registry.get_sample_value("tierflow_engine_busy_fraction", labels)
     assert fraction == pytest.approx(0.1)
+
+
+def test_each_decode_step_counts_its_rows():
+    metrics = WorkerMetrics("primary", "w")
+    for rows in (1, 3, 3):
+        metrics.observe(
+            DecodeStepDone(tuple(f"r{i}" for i in range(rows)), (7,) * rows, (0,) * rows,
+                           seconds=0.01, slotted=False, at=0.0)
+        )  # fmt: skip
+    labels = {"deployment": "primary", "worker": "w"}
+    value = metrics.registry.get_sample_value
+    assert value("tierflow_decode_step_rows_count", labels) == 3
+    assert value("tierflow_decode_step_rows_sum", labels) == 7
+    assert value("tierflow_decode_step_rows_bucket", {**labels, "le": "1.0"}) == 1
