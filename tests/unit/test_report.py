@@ -75,3 +75,22 @@ def test_every_header_is_whole_at_any_width(width):
     for header in HEADERS:
         assert header in text, header
     assert text.count("flowprefill@stack") >= 3  # every row in every part
+
+
+def test_the_demo_table_keeps_every_header_at_80_columns():
+    from launch.demo import _print
+
+    report = {
+        "model": "smollm2", "workload": "mixed tiers, 60 s",
+        "policies": {"flowprefill": {"tiers": {
+            name: {**tier(), "failed": 0, "preemptions": 3} for name in ("critical", "batch")
+        }}},
+        "critical_answers": [],
+    }  # fmt: skip
+    console = Console(file=io.StringIO(), width=80)
+    _print(report, console)
+    text = console.file.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for header in ("tier", "rejected", "failed", "SLO met", "TTFT p50 ms", "TTFT p99 ms",
+                   "preemptions"):  # fmt: skip
+        assert header in text, header
