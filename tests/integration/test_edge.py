@@ -507,6 +507,14 @@ class TestBenchStack:
             e.first_token for e in critical if e.WhichOneof("event") == "first_token"
         )
         batch_done = batch_events[-1].done
-        assert critical_first.ttft_ms < 2000  # its SLO in this tiers file
+        # It waited about one layer, not the batch's 3500 tokens: its wait (TTFT less its own
+        # prefill) against the batch prefill's engine time in this same run, whatever the box.
+        assert critical_wait_ms(critical) < batch_done.timings.prefill_ms / 3
         assert critical_first.ttft_ms < batch_done.timings.ttft_ms  # it went first...
         assert batch_done.timings.preemptions >= 1  # ...by preempting the batch prefill
+
+
+def critical_wait_ms(events) -> float:
+    """Admission to first token, less the request's own prefill: the time it waited."""
+    timings = events[-1].done.timings
+    return timings.ttft_ms - timings.prefill_ms
