@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from bench.engine_bench import LayerTimer
 from bench.metrics import mean_interval, percentile
 from bench.report import mark_smoke, write_json
+from bench.tables import print_table
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig
 from worker.decode_slotting import DecodeSlotter
@@ -365,7 +366,7 @@ def render_table(result: dict, console: Console) -> None:
     for mode, ratio in result["prefill_slowdown"].items():
         ci = _interval(result["prefill_slowdown_ci95"][mode])
         head.add_row(f"prefill slowdown, decode slotted ({mode})", f"{ratio:.3f}x {ci}")
-    console.print(head)
+    print_table(console, head)
     decode = Table(title="decode throughput (tokens/s)")
     for column in ("B", "engine", "raw transformers", "engine / raw", "engine / B=1"):
         decode.add_column(column, justify="right")
@@ -375,13 +376,13 @@ def render_table(result: dict, console: Console) -> None:
             b, f"{row['tok_s']:.0f}", f"{row['raw_tok_s']:.0f}",
             f"{row['tok_s'] / row['raw_tok_s']:.2f}x", f"{row['tok_s'] / one:.2f}x",
         )  # fmt: skip
-    console.print(decode)
+    print_table(console, decode)
     tbt = Table(title="time between tokens of the decoders during a long prefill (ms)")
     for column in ("decode during prefill", "n", "p50", "p99"):
         tbt.add_column(column, justify="right")
     for mode, row in result["tbt_during_prefill_ms"].items():
         tbt.add_row(mode, str(row.get("samples", "-")), f"{row['p50']:.0f}", f"{row['p99']:.0f}")
-    console.print(tbt)
+    print_table(console, tbt)
     sweep = Table(title="the slotter's trade-off: TBT target against prefill slowdown")
     for column in ("run", "TBT target ms", "TBT p50 ms", "TBT p99 ms", "steps",
                    "step ms", "steps' time", "rest", "slowdown", "95% interval"):  # fmt: skip
@@ -399,7 +400,7 @@ def render_table(result: dict, console: Console) -> None:
     sweep.add_row("chunk (one step per chunk)", *_sweep_cells(chunk))
     for point in sorted(points, key=lambda p: p["target_ms"]):
         sweep.add_row(f"slotted ({result['slot_check']})", *_sweep_cells(point))
-    console.print(sweep)
+    print_table(console, sweep)
     console.print(
         "steps: decode steps inside one prefill; steps' time: their summed time over the "
         "prefill's time alone; rest: slowdown - 1 - steps' time (what the steps cost the "

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from bench.metrics import mean_interval, percentile
 from bench.report import mark_smoke, write_json
+from bench.tables import print_table
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
@@ -346,7 +347,7 @@ def render_table(result: dict, console: Console) -> None:
         "per-layer progress report (cost / share of a layer)",
         f"{result['progress_report_us']:.1f} us / {result['progress_report_pct_of_layer']:.4f} %",
     )
-    console.print(head)
+    print_table(console, head)
 
     table = Table(title="preemption latency (flag at a uniformly random time -> engine returned)")
     for col in ("C", "checked at", "p50 ms", "p99 ms", "n", "ran to the end", "p99 / max layer"):
@@ -357,7 +358,7 @@ def render_table(result: dict, console: Console) -> None:
                 c, check + " boundaries", f"{row['p50']:.1f}", f"{row['p99']:.1f}",
                 str(row["n"]), str(row["ran_to_completion"]), f"{row['p99'] / lt['max']:.2f}x",
             )  # fmt: skip
-    console.print(table)
+    print_table(console, table)
     for c, lat in result["preemption_latency_ms"].items():
         console.print(
             f"C={c}: layer-boundary preemption is {lat['chunk']['p50'] / lat['layer']['p50']:.1f}x "

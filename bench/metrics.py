@@ -22,7 +22,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = None) -> dict:
-    """The per-policy block of the benchmark JSON (see README, "Policy benchmark").
+    """The per-policy block of the benchmark JSON (docs/results.md, "The benchmark commands").
     ``starvation_s``: the scheduler's aging threshold, to count the requests that reached it
     (when the caller knows it; the count is None otherwise)."""
     per_tier: dict[str, dict] = {}

@@ -21,6 +21,7 @@ from rich.table import Table
 from bench import slo_curves, sustained
 from bench.metrics import mean_interval
 from bench.report import write_json
+from bench.tables import print_table
 
 REFERENCE = "fifo"
 
@@ -60,7 +61,7 @@ def render_throughput(table_data: dict, console: Console) -> None:
             f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "-",
             " ".join(f"{r:.3f}" for r in row["per_run"]),
         )  # fmt: skip
-    console.print(table)
+    print_table(console, table)
 
 
 def main(paths: list[Path], tier: str, json_path: Path | None, png_path: Path | None) -> dict:

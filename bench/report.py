@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench.tables import print_table
+
 POLICY_COLOURS = {
     "fifo": "tab:gray",
     "priority": "tab:blue",
@@ -38,9 +40,9 @@ def write_json(result: dict, path: Path | None, console: Console) -> None:
 
 
 def render_policy_tables(result: dict, console: Console) -> None:
-    console.print(_tier_table(result))
-    console.print(_totals_table(result))
-    console.print(_rates_table(result))
+    print_table(console, _tier_table(result), keys=2)
+    print_table(console, _totals_table(result))
+    print_table(console, _rates_table(result))
 
 
 def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...]) -> Table:
@@ -129,7 +131,6 @@ def _rates_table(result: dict) -> Table:
         ("policy",),
     )  # fmt: skip
     for name, s in result["policies"].items():
-        err = s["prediction_error"]
         table.add_row(
             name,
             f"{s['completed_tok_s']:.0f}",
@@ -138,11 +139,19 @@ def _rates_table(result: dict) -> Table:
             f"{s['decode']['mean_rows']:.1f}",
             f"{s['packs']} ({s['packed_requests']})",
             f"{s['decode_pauses']} / {s['decode_drops']}",
-            f"{err['abs_p50']:.0%} / {err['abs_p95']:.0%} ({err['n']})",
+            _prediction_cell(s["prediction_error"]),
             f"{s['scheduler']['decide_us_per_event']:.0f}",
             str(s["scheduler"]["progress_events"]),
         )
     return table
+
+
+def _prediction_cell(error: dict) -> str:
+    """The predictor's |error| p50 / p95 (n); "-" when it measured nothing: a run through the
+    services (`bench --stack`) has no in-process predictor, so its summary is empty."""
+    if not error.get("n"):
+        return "-"
+    return f"{error['abs_p50']:.0%} / {error['abs_p95']:.0%} ({error['n']})"
 
 
 def comparison_lines(result: dict) -> list[str]:

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.metrics import wilson_interval
+from bench.tables import print_table
 
 TABLE_MULTIPLES = (1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0)
 MULTIPLES = tuple(
@@ -177,7 +178,7 @@ def render_slo_table(curve: dict, console: Console) -> None:
     for name, n in curve["n"].items():
         cells = [_share_at(curve, name, m) for m in TABLE_MULTIPLES]
         table.add_row(name, str(n), *cells)
-    console.print(table)
+    print_table(console, table)
     if "configured" in curve:
         _render_configured(curve, console)
     for name, sides in curve.get("flowprefill_vs", {}).items():
@@ -204,7 +205,7 @@ def _render_configured(curve: dict, console: Console) -> None:
             star = "*" if p["rerun"] else ""
             cells.append(f"{p['met']}/{p['n']}{star} ({p['attainment'] * 100:.0f}%)")
         table.add_row(f"{point['multiple']:g}x", *cells)
-    console.print(table)
+    print_table(console, table)
 
 
 def _share_at(curve: dict, name: str, m: float) -> str:

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from bench import slo_curves
 from bench.metrics import wilson_interval
+from bench.tables import print_table
 from bench.workload import DEFAULT_MIX, TierMix, Workload, synthetic
 
 # Runs the configured policies on a workload; returns their summaries (``bench.metrics``).
@@ -218,14 +219,14 @@ def render(result: dict, console: Console) -> None:
                 str(point["seed"]), f"{point['factor']:g}", f"{point['rate_per_s']:.2f}", name,
                 tiers, f"{p['busy_fraction']:.0%}", shed_and_aged(p), top_misses(p),
             )  # fmt: skip
-    console.print(table)
+    print_table(console, table)
     good = Table(title="goodput at sustained rates (req/s) per seed")
     for column in ("policy", "per seed", "mean", "min-max"):
         good.add_column(column, justify="left" if column == "policy" else "right")
     for name, g in result["goodput_req_s"].items():
         seeds = " ".join(f"{v:.2f}" for v in g["per_seed"].values())
         good.add_row(name, seeds, f"{g['mean']:.2f}", f"{g['min']:.2f}-{g['max']:.2f}")
-    console.print(good)
+    print_table(console, good)
 
 
 def shed_and_aged(point_policy: dict) -> str:

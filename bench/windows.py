@@ -20,6 +20,7 @@ from bench.calibrate import calibrate
 from bench.metrics import wilson_interval
 from bench.policy_bench import PolicyBenchConfig, run_policy_bench
 from bench.report import render_policy_tables, write_json
+from bench.tables import print_table
 from queue_service.scheduler import PrefillTimePredictor
 from worker.engine import EngineConfig, PrefillEngine
 
@@ -97,7 +98,7 @@ def render_aggregate(agg: dict, console: Console) -> None:
                 f"{t['attainment']:.3f} ({lo:.2f}-{hi:.2f})",
                 f"{p['lower_tier_completed_tok_s']:.0f} ({ratio:.3f}x best other)",
             )
-    console.print(table)
+    print_table(console, table, keys=2)
 
 
 def markdown(result: dict) -> str:

@@ -70,7 +70,8 @@ def run_canary_demo(cfg: CanaryDemoConfig) -> dict:
         criteria=cfg.criteria,
     )  # fmt: skip
     report = format_report(result)
-    console.print(report)
+    # Markdown as written: neither wrapped at the console's width nor read as rich markup.
+    console.print(report, markup=False, highlight=False, soft_wrap=True)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "canary_compare.md").write_text(report)
     (cfg.out_dir / "canary_compare.json").write_text(json.dumps(result, indent=2, default=str))

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from bench.metrics import summarise
 from bench.report import plot_ttft_cdfs
+from bench.tables import print_table
 from bench.workload import Arrival, TierMix, Workload, synthetic
 from launch.local_stack import LocalStack, StackConfig
 from launch.processes import REPO
@@ -181,6 +182,6 @@ def _print(report: dict, console: Console) -> None:
             f"{t['slo_ms']:.0f}", f"{t['slo_attainment'] * 100:.1f}%",
             f"{t['ttft_ms']['p50']:.0f}", f"{t['ttft_ms']['p99']:.0f}", str(t["preemptions"]),
         )  # fmt: skip
-    console.print(table)
+    print_table(console, table)
     for qa in report["critical_answers"]:
         console.print(f"[bold]critical:[/bold] {qa['question']} -> {qa['answer'].strip()!r}")

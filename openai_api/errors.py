@@ -34,7 +34,7 @@ def bad_request(message: str, *, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, code="invalid_request", param=param)
 
 
-# The queue service's statuses (README, "The services") as OpenAI statuses.
+# The queue service's statuses (docs/api.md, "Error codes") as OpenAI statuses.
 _FROM_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_api_key"),

@@ -3,6 +3,7 @@
 # no Docker, no tarball download (only package registries are reachable here).
 #
 #   scripts/kafka.sh fetch                  download (once) the server jars, print the libs dir
+#   scripts/kafka.sh fetched                exit 0 when the jars are already here (no Maven needed)
 #   scripts/kafka.sh start DIR PORT [CPORT] format DIR (once) and start a broker on
 #                                           127.0.0.1:PORT, its controller on CPORT (PORT+1);
 #                                           returns when the broker says it started
@@ -237,7 +238,8 @@ stop() {
 
 case "${1:-}" in
   fetch) fetch ;;
+  fetched) [ -f "$libs/.complete" ] ;;
   start) shift && start "$@" ;;
   stop) shift && stop "$@" ;;
-  *) die "usage: kafka.sh fetch | start DIR PORT [CONTROLLER_PORT] | stop DIR" ;;
+  *) die "usage: kafka.sh fetch | fetched | start DIR PORT [CONTROLLER_PORT] | stop DIR" ;;
 esac

@@ -1,6 +1,7 @@
 """Where a Generate stream stands, so that a client can reattach when it broke off.
 
-The rules a client follows (README, "When the queue service dies"), here for ``tierflow.client``:
+The rules a client follows (docs/api.md, "When the queue service dies"), here for
+``tierflow.client``:
 
 - Once ``Queued`` arrived, the request is durable in Kafka: a queue service that dies, restarts
   or stops does not lose it (another instance or the restarted one runs it).

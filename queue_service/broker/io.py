@@ -17,7 +17,7 @@ No scheduling decision is made here.
 * **Readable by the usual tools.** Every record carries two headers: ``content-type``
   (``application/x-protobuf``) and ``message`` (the protobuf message's full name, e.g.
   ``tierflow.v1.QueuedRequest``), so ``tierflow topic read`` or kcat + ``protoc --decode`` know
-  how to decode it (README, "Reading the Kafka topics").
+  how to decode it (docs/api.md, "Reading the Kafka topics and calling the API by hand").
 """
 
 from __future__ import annotations

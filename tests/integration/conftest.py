@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,16 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafkaBroker
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[LocalKafkaBroker]:
+    """A broker of the test's own, which it may stop and start again (the session's it may not:
+    every other test uses that one); its data is in ``tmp_path / "kafka"``."""
+    broker = LocalKafkaBroker()
+    broker.start(data_dir=tmp_path / "kafka")
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture

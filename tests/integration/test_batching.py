@@ -2,27 +2,29 @@
 real batched worker process (``--kv-slots``) on tiny-llama.
 
 Each client stream must hold each token once, in order, equal to the model's own greedy
-continuation of that prompt alone; several requests must decode at the same time on one
-worker; a decode dropped for a higher tier (full KV slots) must come back without losing or
-repeating a token; bad batch sizes and requests larger than a slot are clear errors.
+continuation of that prompt alone; several requests must decode in the same steps on one
+worker (the worker's own count of rows per decode step); a decode dropped for a higher tier
+(full KV slots) must come back without losing or repeating a token; bad batch sizes and
+requests larger than a slot are clear errors.
 Assertions are orderings, never tight times: CI shares 2 cores with Kafka's JVM.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import random
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
-from launch.processes import REPO
+from launch.processes import REPO, free_port
 from tests.integration.processes import start_queue_service, start_worker, stop_started
 from tierflow.client import TierflowClient
 
@@ -105,7 +107,17 @@ def at(events, kind: str) -> float:
 
 def test_requests_decode_together_and_each_streams_its_greedy_tokens_once(stack, tiny_llama):
     target = stack.queue_service()
-    stack.batched_worker(target, "wb", "--kv-slots", "6", "--max-batch-size", "4")
+    metrics_port = free_port()
+    stack.batched_worker(
+        target,
+        "wb",
+        "--kv-slots",
+        "6",
+        "--max-batch-size",
+        "4",
+        "--metrics-port",
+        str(metrics_port),
+    )
     tiers = ["critical", "standard", "batch"]
     prompts = [ids(20 + 17 * i, seed=300 + i) for i in range(6)]
     n = 40
@@ -118,10 +130,26 @@ def test_requests_decode_together_and_each_streams_its_greedy_tokens_once(stack,
         assert stream_tokens(events) == expected, i  # each token once, in order, exact
         done = events[-1][1].done
         assert done.usage.completion_tokens == len(expected)
-    # One worker: a request's first token reached its client before another one's last token,
-    # so they decoded in the same batch (an unbatched worker runs one request to its end).
-    spans = sorted((at(e, "first_token"), at(e, "done")) for e in results)
-    assert any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans))
+    # Decoded together: the worker counts each decode step's rows (overlapping streams alone
+    # prove nothing: an unbatched worker interleaves requests too, one row per step).
+    steps = decode_step_rows(metrics_port)
+    assert steps["count"] > 0 and steps["count"] - steps["le 1"] > 0, steps
+
+
+def decode_step_rows(port: int) -> dict[str, float]:
+    """The worker's ``tierflow_decode_step_rows`` histogram: steps, and steps of one row."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if family.name == "tierflow_decode_step_rows"
+    }
+    return {
+        "count": samples[("tierflow_decode_step_rows_count", None)],
+        "le 1": samples[("tierflow_decode_step_rows_bucket", "1.0")],
+    }
 
 
 def long_prompts(model, count: int, n: int) -> list[list[int]]:

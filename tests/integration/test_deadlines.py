@@ -35,6 +35,7 @@ from worker.request import GenerationRequest
 CHUNK = 2048
 BATCH_TOKENS = 4000
 CRITICAL_TOKENS = 24
+MAX_SLOWDOWN = 3.0  # the most the bound's layer time is scaled by this run's own slowdown
 
 
 class LayerClock:
@@ -132,7 +133,11 @@ def test_every_critical_request_meets_isolated_ttft_plus_two_layers(stack, engin
     assert kinds(batch_events)[-1] == "done", kinds(batch_events)
     timings = batch_events[-1].done.timings
     assert timings.preemptions >= 1  # it gave way at least once
-    slowdown = max(1.0, timings.prefill_ms / 1000 / engine_times["batch_prefill_s"])
+    # Capped at 3x: uncapped, a run slow enough (or a batch prefill stretched by something
+    # else) widens the bound until a scheduler that preempts late passes too.
+    slowdown = min(
+        MAX_SLOWDOWN, max(1.0, timings.prefill_ms / 1000 / engine_times["batch_prefill_s"])
+    )
     bound = isolated + 2 * engine_times["layer_s"] * slowdown
     print(f"critical waits {[round(w, 3) for w in waits]} s, bound {bound:.3f} s", end=" ")
     print(f"(isolated {isolated:.3f} s, layers {slowdown:.2f}x slower than alone)")

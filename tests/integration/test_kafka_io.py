@@ -19,10 +19,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
+from launch.kafka_broker import LocalKafkaBroker
 from queue_service.broker.bridge import KafkaBridge
 from queue_service.broker.io import QueueUnavailableError, ReplyConsumer, RequestLog, ensure_topics
 from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
@@ -246,31 +248,47 @@ def test_only_finished_requests_are_committed_and_a_restart_redelivers_the_rest(
 
 
 def test_the_bridge_renews_its_consumer_after_an_outage_and_loses_nothing(
-    topics: KafkaSettings, request_log: RequestLog
+    own_broker: LocalKafkaBroker, topic_prefix: str, tmp_path: Path
 ) -> None:
-    """What the breaker does when Kafka answers again: the consumer thread swaps in a fresh
-    consumer. A request handed out before the swap is read again (uncommitted; the service
-    ignores the id it already runs), new requests still arrive, and finishing the first
-    delivery after the swap commits it."""
+    """A real outage: the test's own broker is stopped and started again on the same port and
+    data. The bridge's breaker sees it go and come back and has the consumer thread swap in a
+    fresh consumer (nobody calls ``renew_clients`` by hand). A request handed out before the
+    outage is read again (uncommitted; the service ignores the id it already runs), a request
+    published after it arrives, and finishing both commits them."""
+    settings = KafkaSettings(
+        bootstrap=own_broker.bootstrap, topic_prefix=topic_prefix, group_id=f"{topic_prefix}q"
+    )
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     delivered: queue.Queue[DeliveredRequest] = queue.Queue()
-    bridge = KafkaBridge(topics, UNIT_TIERS, "renew", max_live=100, live_count=lambda: 0)
+    bridge = KafkaBridge(settings, UNIT_TIERS, "renew", max_live=100, live_count=lambda: 0)
     bridge.start(loop, lambda record, d: delivered.put(d), lambda reply: None)
     try:
-        request_log.publish(request("before", "standard"))
+        bridge.request_log.publish(request("before", "standard"))
         first = delivered.get(timeout=DEADLINE_S)
-        bridge.renew_clients()
-        assert delivered.get(timeout=DEADLINE_S) == first  # the same record, read again
-        request_log.publish(request("after", "standard"))
+        port = own_broker.port
+        own_broker.stop()
+        wait_until(lambda: bridge.breaker.is_open)  # the outage, as the service sees it
+        own_broker.start(data_dir=tmp_path / "kafka", port=port)
+        wait_until(lambda: not bridge.breaker.is_open)
+        again = delivered.get(timeout=DEADLINE_S)
+        assert (again.request_id, again.offset) == ("before", first.offset)  # read again
+        bridge.request_log.publish(request("after", "standard"))  # the renewed producer
         after = delivered.get(timeout=DEADLINE_S)
         assert after.request_id == "after" and after.offset == first.offset + 1
-        bridge.finished(first)
+        bridge.finished(again)
         bridge.finished(after)
     finally:
         bridge.stop()
         loop.call_soon_threadsafe(loop.stop)
-    assert committed(topics, "standard") == after.offset + 1
+    assert committed(settings, "standard") == after.offset + 1
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition never came true"
+        time.sleep(0.1)
 
 
 def test_a_request_id_is_handed_out_once(topics: KafkaSettings, request_log: RequestLog) -> None:

@@ -11,7 +11,7 @@ What a client sees, each checked below:
                           429 + Retry-After (rate limit, shed batch), 503 queue down
   a closed stream         cancels the request on the worker
   critical chat           overtakes a batch completion whose prefill is already running
-  README's curl examples  run as written (host and model substituted)
+  documented examples     README's and docs/api.md's run as written (host, model substituted)
 
 Assertions are orderings and generous bounds: CI shares 2 cores with Kafka's JVM.
 """
@@ -341,31 +341,36 @@ def test_critical_chat_overtakes_a_running_batch_completion(stack):
     assert preempted  # ...by preempting the batch prefill at a layer boundary
 
 
-# ---------------------------------------------------------------- README
+# ---------------------------------------------------------------- documented examples
+
+# Where the documentation shows runnable examples: README.md one per client, docs/api.md the
+# OpenAI API's curl commands and SDK.
+EXAMPLES = {"README.md": "## Calling it", "docs/api.md": "## OpenAI-compatible API"}
 
 
-def readme_examples(language: str) -> list[str]:
-    """The code blocks of README.md's OpenAI section, as written."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("## OpenAI-compatible API", 1)[1].split("\n## ", 1)[0]
+def documented_examples(doc: str, language: str) -> list[str]:
+    """The code blocks of ``doc``'s section (``EXAMPLES``), as written."""
+    text = (REPO / doc).read_text()
+    section = text.split(EXAMPLES[doc], 1)[1].split("\n## ", 1)[0]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
 def on_this_stack(code: str, stack) -> str:
-    # The README talks to `tierflow up` (localhost:8080, SmolLM2); here: this stack.
+    # The docs talk to `tierflow up` (localhost:8080, SmolLM2); here: this stack.
     return code.replace("localhost:8080", stack.target).replace('"smollm2"', f'"{MODEL}"')
 
 
-def test_readme_examples_run(stack):
+@pytest.mark.parametrize("doc", EXAMPLES)
+def test_documented_examples_run(stack, doc):
     curl = shutil.which("curl")
-    assert curl, "the README examples need curl on PATH"
+    assert curl, "the documented examples need curl on PATH"
     commands = [
         line.strip()
-        for block in readme_examples("sh")
+        for block in documented_examples(doc, "sh")
         for line in block.replace("\\\n", " ").splitlines()
         if line.strip().startswith("curl")
     ]
-    assert len(commands) >= 3, commands
+    assert commands, doc
     for command in commands:
         args = shlex.split(on_this_stack(command, stack))
         result = subprocess.run(
@@ -375,10 +380,14 @@ def test_readme_examples_run(stack):
             timeout=300,
         )
         assert result.returncode == 0, (command, result.stdout, result.stderr)
-        if " -N " in f" {command} ":
+        if '"stream": true' in command:  # OpenAI's server-sent events
             assert result.stdout.rstrip().endswith("data: [DONE]"), result.stdout
-    (snippet,) = readme_examples("python")
-    exec(on_this_stack(snippet, stack), {})  # the SDK example: it streams without an error
+        elif "/v1/generate" in command:  # JSON lines: the last one is the terminal event
+            assert "done" in json.loads(result.stdout.splitlines()[-1]), result.stdout
+    snippets = documented_examples(doc, "python")
+    assert snippets, doc
+    for snippet in snippets:
+        exec(on_this_stack(snippet, stack), {})  # each client streams without an error
 
 
 # ---------------------------------------------------------------- last: spends a bucket

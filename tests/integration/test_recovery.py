@@ -6,7 +6,7 @@ What each client sees, each checked below:
   tierflow.client (sync, via Envoy)  reattaches by itself with the id from Queued; one stream,
                                      each token once, Done
   AsyncTierflowClient (direct)       the same, for asyncio (the OpenAI service's client)
-  JSON over HTTP/1.1 (via Envoy)     the stream breaks off without a terminal line; the README's
+  JSON over HTTP/1.1 (via Envoy)     the stream breaks off without a terminal line; docs/api.md's
                                      recipe (POST the same body with the request_id) gets Done
   a raw gRPC stub, SIGTERM           the terminal error event UNAVAILABLE, then that status
   a new request while it is down     UNAVAILABLE from the edge (HTTP 503 for JSON)
@@ -206,7 +206,7 @@ def test_killed_mid_stream_every_client_recovers_and_each_request_runs_once(stac
     assert not json_thread.is_alive() and terminal(first_lines) is None, first_lines  # silently
 
     stack.restart_queue_service()
-    # The README's recipe for any client: the same body again, with the id from `queued`.
+    # The recipe for any client (docs/api.md): the same body again, with the id from `queued`.
     json_id = first_lines[0]["request_id"]
     again: list[dict] = []
     json_lines(stack.envoy_port, batch, json_body | {"request_id": json_id}, again)

@@ -121,7 +121,9 @@ def test_critical_request_preempts_a_long_batch_prefill(stack):
         >= 1
     )  # ...and said so while running
     critical_first = next(e.first_token for e in critical if e.WhichOneof("event") == "first_token")
-    assert critical_first.ttft_ms < 2000  # its SLO here; it waited about one layer, not 3500 tokens
+    # It waited about one layer, not the batch's 3500 tokens: its wait (TTFT less its own
+    # prefill) against the batch prefill's engine time in this same run, whatever the box.
+    assert critical_wait_ms(critical) < batch_done.timings.prefill_ms / 3
     assert critical_first.ttft_ms < batch_done.timings.ttft_ms
     # The preempted-and-resumed prefill is exact: same first token as one uninterrupted pass.
     bench = load_model("bench-llama", device="cpu", dtype=torch.float32)
@@ -294,3 +296,9 @@ def test_two_instances_in_one_group_relay_events_to_the_client_stream(
     assert crossed, "no event went through a reply topic"
     for request_id, instances in crossed.items():
         assert instances == {instance_of[request_id]}, (request_id, instances)
+
+
+def critical_wait_ms(events) -> float:
+    """Admission to first token, less the request's own prefill: the time it waited."""
+    timings = events[-1].done.timings
+    return timings.ttft_ms - timings.prefill_ms

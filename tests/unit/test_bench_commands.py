@@ -37,7 +37,16 @@ def test_engine_bench_writes_json_and_png(tmp_path):
     assert result["model"] == "tiny-llama" and result["layers"] == 4
     assert 0 < result["layer_time_ms"]["mean"] <= result["layer_time_ms"]["max"]
     assert set(result["chunk_cost"]) == {"256", "1024"}
-    assert result["check_overhead_pct"] >= 0
+    # The estimate is checks x the cost of one over the unchecked prefill: 512 tokens in
+    # chunks of 128 on 4 layers are 16 checks.
+    assert result["checks_per_prefill"] == 16 and result["check_cost_ns"] >= 0
+    estimate = (
+        16
+        * result["check_cost_ns"]
+        * 1e-9
+        / (result["check_overhead_ab"]["prefill_none_ms"] / 1000)
+    )
+    assert result["check_overhead_pct"] == pytest.approx(estimate * 100)
     assert result["progress_report_us"] > 0 and result["progress_report_pct_of_layer"] > 0
     ab = result["check_overhead_ab"]
     assert ab["pairs"] == 2 and ab["ci95_pct"][0] <= ab["mean_pct"] <= ab["ci95_pct"][1]
@@ -69,6 +78,10 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
     result = json.loads(out.read_text())
     assert result.pop("smoke_test_only") is True  # a quick run says it is only a smoke test
     assert set(result["policies"]) == {"fifo", "priority", "chunked", "recompute", "flowprefill"}
+    # Every tier that had requests was measured alone (an empty dict is not enough), and took time.
+    with_requests = {tier for tier, t in result["policies"]["fifo"]["tiers"].items() if t["n"]}
+    assert with_requests and set(result["isolated_ttft_ms"]) == with_requests
+    assert all(ms > 0 for ms in result["isolated_ttft_ms"].values())
     # The SLO judged at many multiples, and configured at 3x for the policy that reads it.
     curve = result["slo_sensitivity"]
     assert set(curve["attainment"]) == set(result["policies"])
@@ -87,7 +100,6 @@ def test_policy_bench_compares_every_policy_on_the_same_arrivals(tmp_path):
             assert set(t["ttft_ms"]) == {"p50", "p90", "p99"}
         ns.add(tuple(sorted((tier, t["n"]) for tier, t in p["tiers"].items())))
     assert len(ns) == 1  # every policy saw the same requests
-    assert set(result["isolated_ttft_ms"]) <= {"critical", "standard", "batch"}
     assert png.stat().st_size > 10_000
 
 

@@ -1,6 +1,6 @@
 """The edge's configuration, checked by the tools that will run it: ``envoy --mode validate`` on
 envoy/envoy.yaml as shipped and as rendered for local processes, and Docker Compose's own
-``config -q`` on docker-compose.yml. Plus the properties the README promises (fail closed,
+``config -q`` on docker-compose.yml. Plus the properties the docs promise (fail closed,
 canary off, a route and a rate limit per tier) read from the shipped file."""
 
 from __future__ import annotations

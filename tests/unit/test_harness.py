@@ -84,25 +84,56 @@ def test_critical_preempts_a_long_batch_prefill_which_then_finishes_exactly(tiny
     assert engine.suspended_bytes == 0
 
 
+# The order each policy promises for requests that wait together (module doc of policies.py):
+# fifo arrival order; the priority family tier rank, then arrival; flowprefill and its
+# ablations tier rank (EDF within a tier; late work keeps its tier).
+ARRIVAL_ORDER = {"fifo"}
+TIER_THEN_ARRIVAL = {"priority", "chunked", "recompute", "priority-layer"}
+LAYER_DELAY_S = 0.004
+
+
 @pytest.mark.parametrize(
     "policy", ["fifo", "priority", "chunked", "recompute", "flowprefill", *ABLATIONS]
 )
-def test_every_policy_completes_a_mixed_workload(tiny_llama, policy):
+def test_every_policy_completes_a_mixed_workload_in_the_order_it_promises(tiny_llama, policy):
     model = tiny_llama.model
+    # A critical prefill of 16 slowed layer calls (>= 64 ms) runs while twelve requests of
+    # every tier arrive behind it, in a known order: they all wait together.
+    blocker = Arrival(0.0, "blocker", "critical", 256, 3)
     arrivals = tuple(
-        Arrival(0.01 * i, f"r{i}", ("critical", "standard", "batch")[i % 3], 40 + 37 * i, 3)
+        Arrival(0.02 + 0.001 * i, f"r{i}", ("batch", "standard", "critical")[i % 3], 40 + 37 * i, 3)
         for i in range(12)
     )
     p = make_policy(policy)
     engine = PrefillEngine(model, EngineConfig(chunk_size=64, check=p.engine_check))
-    result = run_policy(
-        Scheduler(p, TIERS, PrefillTimePredictor()),
-        [engine],
-        Workload("mixed", arrivals),
-        vocab_size=model.config.vocab_size,
-    )
-    assert all(r.done_at is not None and r.failed is None for r in result.records.values())
-    assert all(r.ttft_s is not None and r.ttft_s >= 0 for r in result.records.values())
+    slow = SlowLayers(model, LAYER_DELAY_S)
+    try:
+        result = run_policy(
+            Scheduler(p, TIERS, PrefillTimePredictor()),
+            [engine],
+            Workload("mixed", (blocker, *arrivals)),
+            vocab_size=model.config.vocab_size,
+        )
+    finally:
+        slow.remove()
+    records = result.records
+    assert all(r.done_at is not None and r.failed is None for r in records.values())
+    for a in (blocker, *arrivals):  # a TTFT covers at least the request's own slowed layers
+        layer_calls = -(-a.prompt_tokens // 64) * len(model.model.layers)
+        assert records[a.request_id].ttft_s >= layer_calls * LAYER_DELAY_S, a
+    first_tokens = [
+        a.request_id for a in sorted(arrivals, key=lambda a: records[a.request_id].first_token_at)
+    ]
+    rank = {t.name: t.rank for t in TIERS}
+    by_arrival = [a.request_id for a in arrivals]
+    by_tier = [a.request_id for a in sorted(arrivals, key=lambda a: rank[a.tier])]  # stable
+    if policy in ARRIVAL_ORDER:
+        assert first_tokens == by_arrival
+    elif policy in TIER_THEN_ARRIVAL:
+        assert first_tokens == by_tier
+    else:
+        tiers = [records[rid].arrival.tier for rid in first_tokens]
+        assert tiers == sorted(tiers, key=rank.get), first_tokens
     assert result.busy_s > 0 and engine.suspended_bytes == 0
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from worker.busy_clock import BusyClock
+from worker.events import DecodeStepDone
 from worker.metrics import SAMPLE_S, WorkerMetrics
 
 
@@ -19,19 +20,36 @@ def test_busy_clock_counts_runs_and_steps_between_them():
 
 
 def test_a_run_shorter_than_the_sampling_period_is_counted():
-    """The run starts and ends between two samples: no sample sees a request running."""
-    clock, metrics = BusyClock(), WorkerMetrics("primary", "w")
-    metrics.start_sampling(lambda: None, clock.seconds, lambda: 0, lambda: 0)
-    try:
-        for _ in range(5):
-            start = time.perf_counter()
-            clock.start(start)
-            clock.stop(start + SAMPLE_S / 10)  # a 5 ms run, recorded as it ended
-            time.sleep(SAMPLE_S * 2)
-        time.sleep(SAMPLE_S * 2)
-        busy = metrics.registry.get_sample_value(
-            "tierflow_engine_busy_seconds_total", {"deployment": "primary", "worker": "w"}
-        )
-        assert busy is not None and abs(busy - 5 * SAMPLE_S / 10) < 1e-9
-    finally:
-        metrics.stop()
+    """The run starts and ends between two samples: no sample sees a request running. A fake
+    clock drives the samples, so the total is exact whatever the machine's load."""
+    now = [100.0]
+    busy, metrics = BusyClock(), WorkerMetrics("primary", "w")
+    sample = metrics.sampler(
+        lambda: None, lambda: busy.seconds(now=now[0]), lambda: 0, lambda: 0, clock=lambda: now[0]
+    )
+    for _ in range(5):
+        busy.start(now[0] + SAMPLE_S / 4)
+        busy.stop(now[0] + SAMPLE_S / 4 + SAMPLE_S / 10)  # a 5 ms run between two samples
+        now[0] += SAMPLE_S
+        sample()
+    labels = {"deployment": "primary", "worker": "w"}
+    assert metrics.registry.get_sample_value(
+        "tierflow_engine_busy_seconds_total", labels
+    ) == pytest.approx(5 * SAMPLE_S / 10)
+    # Five samples a period apart, each a tenth busy: the window's fraction is a tenth.
+    fraction = metrics.registry.get_sample_value("tierflow_engine_busy_fraction", labels)
+    assert fraction == pytest.approx(0.1)
+
+
+def test_each_decode_step_counts_its_rows():
+    metrics = WorkerMetrics("primary", "w")
+    for rows in (1, 3, 3):
+        metrics.observe(
+            DecodeStepDone(tuple(f"r{i}" for i in range(rows)), (7,) * rows, (0,) * rows,
+                           seconds=0.01, slotted=False, at=0.0)
+        )  # fmt: skip
+    labels = {"deployment": "primary", "worker": "w"}
+    value = metrics.registry.get_sample_value
+    assert value("tierflow_decode_step_rows_count", labels) == 3
+    assert value("tierflow_decode_step_rows_sum", labels) == 7
+    assert value("tierflow_decode_step_rows_bucket", {**labels, "le": "1.0"}) == 1
