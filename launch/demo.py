@@ -1,19 +1,23 @@
 """`tierflow demo`: the README's main command. The whole stack on this machine, a real model, and
 a mixed-tier workload sent through Envoy with an API key per tier.
 
-1. ``tierflow up`` in-process: Kafka, the queue service, a worker running SmolLM2-135M-Instruct
-   on the CPU, the gateway and Envoy, all on loopback.
+1. ``tierflow up`` in-process: Kafka, two queue services (the old scheduler, ``chunked``, as
+   vLLM and SGLang schedule, and tierflow's ``flowprefill``), each with its own worker running
+   SmolLM2-135M-Instruct on the CPU, the gateway and Envoy, all on loopback.
 2. For ``duration_s``, Poisson arrivals of: long batch documents to summarise (thousands of
-   tokens), medium standard requests, and short critical questions with real answers.
-3. Per tier: TTFT p50/p99 as the client saw it, SLO attainment, preemptions; a few critical
-   answers; the JSON and the TTFT-CDF PNG. Then the stack is stopped.
+   tokens), medium standard requests, and short critical questions with real answers. The same
+   arrivals are sent twice through Envoy: first all to the old scheduler, then all to tierflow
+   (Envoy's canary weight 0, then 100), so a newcomer sees what the product changes.
+3. Per tier and scheduler, side by side: TTFT p50/p99 as the client saw it, SLO attainment,
+   preemptions; a few critical answers; the JSON and the TTFT-CDF PNG of both. Then the stack
+   is stopped.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -27,6 +31,7 @@ from bench.workload import Arrival, TierMix, Workload, synthetic
 from launch.local_stack import LocalStack, StackConfig
 from launch.processes import REPO
 from launch.stack_client import Credentials, replay
+from ops import canary
 from tierflow.builtin_tokenizer import CORPUS_PATH
 from tierflow.catalogue import load_model_info
 from tierflow.tiers import load_tiers
@@ -56,11 +61,13 @@ DEMO_MIX = (
 @dataclass(frozen=True)
 class DemoConfig:
     model: str = StackConfig.model
-    duration_s: float = 60.0
+    duration_s: float = 40.0  # of arrivals, once per scheduler: the demo takes about 3 minutes
     seed: int = 0
     out_dir: Path = Path("out")
     tiers_file: Path = REPO / "config" / "demo-tiers.toml"
-    workers: int = 1
+    workers: int = 1  # per scheduler
+    old_policy: str = "chunked"
+    policy: str = "flowprefill"
 
 
 class DemoPrompts:
@@ -121,35 +128,31 @@ def run_demo(cfg: DemoConfig) -> dict:
     workload, by_id, prompts = demo_workload(cfg.model, cfg.duration_s, cfg.seed)
     stack_cfg = StackConfig(
         model=cfg.model, workers=cfg.workers, tiers_file=cfg.tiers_file,
-        log_dir=cfg.out_dir / "stack",
+        log_dir=cfg.out_dir / "stack", policy=cfg.old_policy, canary_policy=cfg.policy,
     )  # fmt: skip
     console.print(f"starting the stack ({cfg.model}, logs in {stack_cfg.log_dir}) ...")
+    results = {}
     with LocalStack(stack_cfg) as stack:
-        target = stack.endpoints.envoy
-        console.print(
-            f"stack up; edge at {target}. Sending {len(workload.arrivals)} requests "
-            f"over {cfg.duration_s:.0f} s through Envoy with per-tier API keys."
-        )
-        with Progress(console=console) as progress:
-            bar = progress.add_task("demo workload", total=len(workload.arrivals))
-            result = replay(
-                target, workload, lambda a: by_id[a.request_id],
-                lambda tier: Credentials(api_key=DEMO_KEYS[tier]),
-                on_progress=lambda: progress.advance(bar),
-            )  # fmt: skip
-    summary = summarise(result, tiers)
+        e = stack.endpoints
+        for policy, weight in ((cfg.old_policy, 0), (cfg.policy, 100)):
+            canary.set_weight(e.envoy_admin, weight)  # all of it to one scheduler
+            console.print(
+                f"{policy}: sending {len(workload.arrivals)} requests over "
+                f"{cfg.duration_s:.0f} s through Envoy ({e.envoy}) with per-tier API keys."
+            )
+            results[policy] = _send(e.envoy, _renamed(workload, policy), by_id, DEMO_KEYS, console)
     report = {
         "model": cfg.model,
         "device": "cpu",
         "workload": workload.name,
         "requests": len(workload.arrivals),
         "through": "envoy + gateway + queue service + kafka + worker",
-        "policies": {"flowprefill": summary},
+        "policies": {policy: summarise(result, tiers) for policy, result in results.items()},
         "isolated_ttft_ms": {},
         "critical_answers": [
-            {"question": prompts.questions[rid], "answer": r.text}
-            for rid, r in result.records.items()
-            if rid in prompts.questions and r.text
+            {"question": prompts.questions[_original_id(rid)], "answer": r.text}
+            for rid, r in results[cfg.policy].records.items()
+            if _original_id(rid) in prompts.questions and r.text
         ][:5],
     }
     _print(report, console)
@@ -160,11 +163,32 @@ def run_demo(cfg: DemoConfig) -> dict:
     return report
 
 
+def _renamed(workload: Workload, policy: str) -> Workload:
+    """The same arrivals under ids of their own (``<id>-<policy>``): a request id sent twice
+    would be the same request."""
+    arrivals = tuple(replace(a, request_id=f"{a.request_id}-{policy}") for a in workload.arrivals)
+    return replace(workload, arrivals=arrivals)
+
+
+def _original_id(request_id: str) -> str:
+    return request_id.rsplit("-", 1)[0]
+
+
+def _send(target: str, workload: Workload, by_id: dict, keys: dict, console: Console):
+    with Progress(console=console) as progress:
+        bar = progress.add_task("demo workload", total=len(workload.arrivals))
+        return replay(
+            target, workload, lambda a: by_id[_original_id(a.request_id)],
+            lambda tier: Credentials(api_key=keys[tier]),
+            on_progress=lambda: progress.advance(bar),
+        )  # fmt: skip
+
+
 def _print(report: dict, console: Console) -> None:
-    summary = report["policies"]["flowprefill"]
     table = Table(title=f"tierflow demo: {report['model']} through the edge, {report['workload']}")
     for col in (
         "tier",
+        "scheduler",
         "n",
         "done",
         "rejected",
@@ -175,13 +199,17 @@ def _print(report: dict, console: Console) -> None:
         "TTFT p99 ms",
         "preemptions",
     ):
-        table.add_column(col, justify="left" if col == "tier" else "right")
-    for tier, t in summary["tiers"].items():
-        table.add_row(
-            tier, str(t["n"]), str(t["completed"]), str(t["rejected"]), str(t["failed"]),
-            f"{t['slo_ms']:.0f}", f"{t['slo_attainment'] * 100:.1f}%",
-            f"{t['ttft_ms']['p50']:.0f}", f"{t['ttft_ms']['p99']:.0f}", str(t["preemptions"]),
-        )  # fmt: skip
-    print_table(console, table)
+        table.add_column(col, justify="left" if col in ("tier", "scheduler") else "right")
+    tiers = next(iter(report["policies"].values()))["tiers"]
+    for tier in tiers:
+        for policy, summary in report["policies"].items():
+            t = summary["tiers"][tier]
+            table.add_row(
+                tier, policy, str(t["n"]), str(t["completed"]), str(t["rejected"]),
+                str(t["failed"]), f"{t['slo_ms']:.0f}", f"{t['slo_attainment'] * 100:.1f}%",
+                f"{t['ttft_ms']['p50']:.0f}", f"{t['ttft_ms']['p99']:.0f}", str(t["preemptions"]),
+                end_section=policy == list(report["policies"])[-1],
+            )  # fmt: skip
+    print_table(console, table, keys=2)
     for qa in report["critical_answers"]:
         console.print(f"[bold]critical:[/bold] {qa['question']} -> {qa['answer'].strip()!r}")
