@@ -446,7 +446,10 @@ class BatchRunner:
             signal = self.channel.signal
             self.channel.clear()
         stopped = outcome is not None and outcome.status is RunStatus.PREEMPTED
-        if signal is Signal.CANCEL and stopped:
+        if signal is Signal.CANCEL:
+            # Left on the channel: the Cancel came after the engine stopped for a preemption,
+            # or after the prefill's last checked boundary (its first token is out). Either
+            # way the scheduler has freed the request's slot; it must not join the batch.
             for rid in ids:
                 self._on_cancel(rid)
             return False
