@@ -97,7 +97,7 @@ class BatchEngine(PrefillEngine):
 
     def prefill(self, task: Task, channel, listener=_NO_LISTENER, between_layers=None):
         """Prefill ``task`` up to its first token (``RunStatus.PREFILLED``), or until stopped."""
-        return self.run(task, channel, listener, decode=False, between_layers=between_layers)
+        return self.run(task, channel, listener, between_layers=between_layers)
 
     def cancel(self, task: Task) -> None:
         if self.in_batch(task):
@@ -281,7 +281,12 @@ class BatchEngine(PrefillEngine):
         return zeros.masked_fill(~allowed, lowest)
 
     def _new_cache(self, request: GenerationRequest) -> SlotCache:
-        return self.pool.allocate(request.request_id)
+        return self.pool.allocate(request.request_id, self._tokens_of(request))
+
+    @staticmethod
+    def _tokens_of(request: GenerationRequest) -> int:
+        """Positions a request's KV may need: its prompt and every token it may produce."""
+        return len(request.prompt_ids) + request.max_new_tokens
 
     def _free(self, task: Task) -> None:
         if task.state is not None and isinstance(task.state.cache, SlotCache):

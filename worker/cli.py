@@ -63,20 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-slots",
         type=int,
         default=defaults.kv_slots,
-        help="a batched worker with this many KV slots: one prefill at a time while the others "
-        "decode in one batch (0: unbatched, one request at a time)",
+        help=f"KV slots: one prefill at a time while the others decode in one batch "
+        f"(default: {defaults.kv_slots}; 1: one request at a time)",
     )
     parser.add_argument(
         "--max-batch-size",
         type=int,
         default=defaults.max_batch_size,
-        help="batched: requests decoding in one step (default: 16, at most --kv-slots)",
+        help="requests decoding in one step (default: 16, at most --kv-slots)",
     )
     parser.add_argument(
         "--slot-tokens",
         type=int,
         default=defaults.slot_tokens,
-        help="batched: prompt + new tokens one request may hold (default: the model's context)",
+        help="prompt + new tokens one request may hold (default: the model's context)",
     )
     parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
     parser.add_argument(

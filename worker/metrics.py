@@ -4,8 +4,8 @@
 * ``tierflow_engine_busy_seconds_total``: engine time spent running a request; its ``rate()`` is
   the engine's busy fraction (also sampled as ``tierflow_engine_busy_fraction`` over the last
   window);
-* ``tierflow_batch_size``: requests in the engine's current step (an unbatched engine runs one
-  request at a time: 0 or 1; a batched one, its prefill plus its decode batch),
+* ``tierflow_batch_size``: requests in the engine's current step (its prefill plus its decode
+  batch),
   ``tierflow_worker_requests_held``: assigned and not finished (running, queued or suspended);
 * ``tierflow_layer_seconds``: the time of one decoder layer over one chunk, from the engine's
   per-layer progress reports;
@@ -89,7 +89,7 @@ class WorkerMetrics:
         decoding: Callable[[], int] = lambda: 0,
     ) -> None:
         """``busy_seconds``: the runner's engine time so far (``worker.busy_clock``);
-        ``decoding``: rows of a batched engine's decode batch."""
+        ``decoding``: rows of the engine's decode batch."""
 
         def sample() -> None:
             # (when, busy seconds) over the last window, oldest first.

@@ -83,8 +83,8 @@ class SlotLedger:
         pool = engine.pool
         allocate, free = pool.allocate, pool.free
 
-        def counted_allocate(owner):
-            cache = allocate(owner)
+        def counted_allocate(owner, tokens):
+            cache = allocate(owner, tokens)
             self.allocated[owner] += 1
             return cache
 
@@ -127,7 +127,9 @@ def test_a_cancel_frees_the_slot_once_and_nothing_follows_it(tiny_llama, phase):
         events = _drain(emit.events, {OTHER, TARGET})
     finally:
         runner.stop()
-    ends = [e for e in events if isinstance(e, Finished | Cancelled) and e.request_id == TARGET]
+    ends = [
+        e for e in events if isinstance(e, Finished | Failed | Cancelled) and e.request_id == TARGET
+    ]
     assert [type(e) for e in ends] == [Cancelled], ends
     after = events[events.index(ends[0]) + 1 :] + list(emit.events.queue)
     assert not [e for e in after if TARGET in _names(e)]
