@@ -150,3 +150,29 @@ def test_cancel_landing_between_a_preemption_stop_and_the_runner_is_not_lost(run
     assert next_event(runner, Cancelled).request_id == "late"
     assert runner.suspended_bytes == 0 and runner.running_request_id is None
     assert runner.engine.pool.used_slots == 0
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_a_single_request_worker_decodes_as_generate_does_through_the_models_layers(
+    request, model_fixture
+):
+    """A batch of one decodes through the model's own layers (no fused or packed copies of
+    the weights, which a larger batch makes: docs/design.md, "The batched engine")."""
+    model = request.getfixturevalue(model_fixture).model
+    events: queue.Queue = queue.Queue()
+    engine = BatchEngine(model, EngineConfig(chunk_size=16), BatchConfig(1, 1))
+    assert engine.decode_layers is None and not engine.fast_decode
+    runner = BatchRunner(engine, events.put).start()
+    prompt = ids(37, 8)
+    try:
+        runner.assign(GenerationRequest("one", prompt, max_new_tokens=10, stop_at_eos=False))
+        while not isinstance(done := events.get(timeout=30), Finished):
+            pass
+    finally:
+        runner.stop()
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10
+        )[0, len(prompt) :].tolist()
+    assert list(done.output_ids) == expected
+    assert engine.pool.allocated_bytes == 0  # an idle worker holds no KV
