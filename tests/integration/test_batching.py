@@ -1,5 +1,5 @@
 """Batched workers through the real services: real Kafka, a real queue service process and a
-real batched worker process (``--kv-slots``) on tiny-llama.
+real worker process (batched, as every worker is; ``--kv-slots`` sized) on tiny-llama.
 
 Each client stream must hold each token once, in order, equal to the model's own greedy
 continuation of that prompt alone; several requests must decode at the same time on one
@@ -119,7 +119,7 @@ def test_requests_decode_together_and_each_streams_its_greedy_tokens_once(stack,
         done = events[-1][1].done
         assert done.usage.completion_tokens == len(expected)
     # One worker: a request's first token reached its client before another one's last token,
-    # so they decoded in the same batch (an unbatched worker runs one request to its end).
+    # so they decoded in the same batch (a worker of batch size 1 runs one request to its end).
     spans = sorted((at(e, "first_token"), at(e, "done")) for e in results)
     assert any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans))
 
