@@ -203,6 +203,11 @@ class BatchRunner:
         self._commands.put(("cancel", request_id))
 
     @property
+    def listener(self) -> _Listener:
+        """The engine listener this runner passes to every run (it emits the events)."""
+        return self._listener
+
+    @property
     def running_request_id(self) -> str | None:
         return self._head
 
