@@ -73,6 +73,12 @@ PREEMPTED_WAIT_S = 0.05
 
 
 @dataclass
+class _Progress:
+    busy_s: float = 0.0  # engine time spent on this request's prefill, all runs
+    run_started: float = 0.0
+
+
+@dataclass
 class _Entry:
     task: Task
     progress: _Progress
@@ -81,12 +87,6 @@ class _Entry:
 
 
 Work = str | PackedPrefill  # one request's prefill, or a pack's
-
-
-@dataclass
-class _Progress:
-    busy_s: float = 0.0  # engine time spent on this request's prefill, all runs
-    run_started: float = 0.0
 
 
 class _Listener:
@@ -114,7 +114,9 @@ class _Listener:
     def on_first_token(self, task: Task, token_id: int, logits: torch.Tensor) -> None:
         """Its prefill's engine time, and the pack's size when it was prefilled in one."""
         runner = self.runner
-        entry = runner._entries[task.request_id]
+        entry = runner._entries.get(task.request_id)
+        if entry is None:  # no longer held (cancelled while its pack ran): nothing to report
+            return
         now = time.perf_counter()
         progress = entry.progress
         busy = progress.busy_s + now - progress.run_started
