@@ -77,6 +77,7 @@ class BatchEngine(PrefillEngine):
             head_dim=self.head_dim,
             num_slots=self.batch_config.pool_slots,
             slot_tokens=self.batch_config.slot_tokens or self.max_positions,
+            preallocate=self.batch_config.preallocate,
             dtype=self.dtype,
             device=self.device,
         )

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.slot_tokens,
         help="prompt + new tokens one request may hold (default: the model's context)",
     )
+    parser.add_argument(
+        "--preallocate-kv",
+        action="store_true",
+        help="allocate every KV slot at full size at start (no pool growth while serving)",
+    )
     parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
@@ -102,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_slots=args.kv_slots,
         max_batch_size=args.max_batch_size,
         slot_tokens=args.slot_tokens,
+        preallocate_kv=args.preallocate_kv,
         **extra,
     )
 

@@ -59,6 +59,10 @@ class BatchConfig:
     max_batch_size: int = 16  # decoding requests in one step
     pool_slots: int = 24  # KV slots: every admitted request (prefilling, decoding, paused) owns one
     slot_tokens: int | None = None  # tokens per slot (prompt + new); None: the model's context
+    # Allocate every slot at full size when the engine starts, and keep it: no growth while
+    # serving (growing copies the pool, stalling the engine thread: docs/design.md, "The
+    # batched engine"), at the memory of a full pool from the start.
+    preallocate: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size <= 0:
@@ -99,6 +103,8 @@ class WorkerConfig:
     max_batch_size: int | None = None
     # Tokens (prompt + new) one request may hold; None: the model's context.
     slot_tokens: int | None = None
+    # The whole KV pool allocated at start (BatchConfig.preallocate) instead of as it fills.
+    preallocate_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.queue_service:
@@ -122,7 +128,12 @@ class WorkerConfig:
         """The engine's KV pool and decode batch sizes."""
         default = min(BatchConfig.max_batch_size, self.kv_slots)
         size = default if self.max_batch_size is None else self.max_batch_size
-        return BatchConfig(size, pool_slots=self.kv_slots, slot_tokens=self.slot_tokens)
+        return BatchConfig(
+            size,
+            pool_slots=self.kv_slots,
+            slot_tokens=self.slot_tokens,
+            preallocate=self.preallocate_kv,
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

@@ -7,7 +7,10 @@ grows to exactly the largest request held (prompt + new tokens, at most ``slot_t
 both go back to nothing when the last slot is freed. So a worker of one slot holds what one
 request needs, as a per-request cache would, and an idle worker holds no KV. Growing means a
 new tensor per layer and a copy of the old one into it (at a request's start, never per step):
-the decode step needs the batch's slots contiguous in one tensor. Slots, not
+the decode step needs the batch's slots contiguous in one tensor. That copy stalls the engine
+thread for the request that makes the pool grow (on the 2-core machine about 1-2 ms per MiB
+of the grown pool); ``preallocate`` allocates the full pool at start instead, as it always was
+before. Slots, not
 pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then attends to
 ``keys[:B, :, :longest]``, a *view* of the pool, with rows of different lengths masked. Pages
 would need a gather of every row's pages into a batch tensor on every step (a copy of all
@@ -73,6 +76,7 @@ class KVPool:
         slot_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        preallocate: bool = False,
     ) -> None:
         if num_slots <= 0 or slot_tokens <= 0:
             raise ValueError(
@@ -89,7 +93,8 @@ class KVPool:
         self._caches: list[SlotCache | None] = [None] * num_slots
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._resize(0, 0)
+        self.preallocated = preallocate  # full size from the start, never grown or shrunk
+        self._resize(*((num_slots, slot_tokens) if preallocate else (0, 0)))
 
     @property
     def slots_allocated(self) -> int:
@@ -146,7 +151,7 @@ class KVPool:
     def free(self, cache: SlotCache) -> None:
         if cache.slot >= 0 and self._caches[cache.slot] is cache:
             self._caches[cache.slot] = None
-            if self.used_slots == 0:  # an idle worker holds no KV
+            if self.used_slots == 0 and not self.preallocated:  # an idle worker holds no KV
                 self._resize(0, 0)
         cache.slot = -1  # a freed cache owns nothing: a suspended pack's write to it is skipped
 

@@ -11,8 +11,9 @@ LAYERS, HEADS, HEAD_DIM = 2, 3, 4
 TOKEN_BYTES = 2 * LAYERS * HEADS * HEAD_DIM * 4  # K and V of one position, float32
 
 
-def pool(slots: int = 4, slot_tokens: int = 100) -> KVPool:
+def pool(slots: int = 4, slot_tokens: int = 100, preallocate: bool = False) -> KVPool:
     return KVPool(
+        preallocate=preallocate,
         num_layers=LAYERS,
         num_kv_heads=HEADS,
         head_dim=HEAD_DIM,
@@ -69,3 +70,15 @@ def test_the_pool_grows_to_its_limit_and_refuses_past_it():
     for cache in caches:
         kv.free(cache)
     assert kv.allocated_bytes == 0
+
+
+def test_a_preallocated_pool_is_full_size_from_the_start_and_stays_so():
+    kv = pool(slots=3, slot_tokens=50, preallocate=True)
+    full = 3 * 50 * TOKEN_BYTES
+    assert kv.allocated_bytes == full
+    caches = [kv.allocate(name, 10) for name in "ab"]
+    fill(caches[0], 10, 1.0)
+    assert kv.allocated_bytes == full  # nothing grows
+    for cache in caches:
+        kv.free(cache)
+    assert kv.allocated_bytes == full and kv.used_slots == 0  # nor shrinks
