@@ -49,6 +49,7 @@ class CancelAt:
         self.events: queue.Queue = queue.Queue()
         self.runner: BatchRunner | None = None
         self.sent = False
+        self.paused = False
 
     def __call__(self, event) -> None:
         self.events.put(event)
@@ -68,7 +69,8 @@ class CancelAt:
             case "decoding":
                 return target and isinstance(event, DecodeStepDone)
             case "paused":
-                if target and isinstance(event, DecodeStepDone):
+                if target and isinstance(event, DecodeStepDone) and not self.paused:
+                    self.paused = True
                     self.runner.pause_decode(TARGET)
                 return target and isinstance(event, Preempted)
         raise AssertionError(self.phase)
