@@ -8,10 +8,11 @@ both go back to nothing when the last slot is freed. So a worker of one slot hol
 request needs, as a per-request cache would, and an idle worker holds no KV. Growing means a
 new tensor per layer and a copy of the old one into it (at a request's start, never per step):
 the decode step needs the batch's slots contiguous in one tensor. That copy stalls the engine
-thread for the request that makes the pool grow (on the 2-core machine about 1-2 ms per MiB
-of the grown pool); ``preallocate`` allocates the full pool at start instead, as it always was
-before. Slots, not
-pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then attends to
+thread for the request that makes the pool grow (on the 2-core machine 0.3-3.5 ms per MiB of
+the grown pool, by its load: docs/design.md); ``preallocate`` allocates the full pool at start
+instead, as it always was before.
+
+Slots, not pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then attends to
 ``keys[:B, :, :longest]``, a *view* of the pool, with rows of different lengths masked. Pages
 would need a gather of every row's pages into a batch tensor on every step (a copy of all
 caches), which plain ``torch`` attention cannot avoid without a paged kernel. The price of slots
