@@ -34,10 +34,10 @@ from rich.table import Table
 from bench.metrics import mean_interval, percentile
 from bench.report import mark_smoke, write_json
 from bench.tables import print_table
+from worker.batch_runner import BatchRunner
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
-from worker.runner import EngineRunner
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def per_progress_report_seconds(engine: PrefillEngine, ids: tuple[int, ...]) -> 
     """Cost, on the engine thread, of one per-layer progress report: the runner's own
     listener building the event and putting it on a queue, as in the services and the bench."""
     events: queue.SimpleQueue = queue.SimpleQueue()
-    runner = EngineRunner(engine, events.put)
+    runner = BatchRunner(engine, events.put)  # not started: only its listener is timed
     task = engine.new_task(GenerationRequest("progress", ids))
     n = 50_000
     start = time.perf_counter()

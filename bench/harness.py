@@ -37,7 +37,6 @@ from queue_service.scheduler import (
 from worker import events as runner_events
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
-from worker.engine import PrefillEngine
 from worker.events import (
     DecodeRejoined,
     Failed,
@@ -46,10 +45,8 @@ from worker.events import (
     Preempted,
     Progress,
     RunnerEvent,
-    TokenOut,
 )
 from worker.request import GenerationRequest
-from worker.runner import EngineRunner
 
 
 @dataclass
@@ -105,7 +102,7 @@ class InProcessWorker:
 
     def __init__(
         self,
-        runner: EngineRunner | BatchRunner,
+        runner: BatchRunner,
         request_for: Callable[[str], GenerationRequest],
         tbt_for: Callable[[str], float | None] = lambda request_id: None,
     ):
@@ -114,20 +111,13 @@ class InProcessWorker:
         self.tbt_for = tbt_for
 
     def assign(self, request_id: str) -> None:
-        if isinstance(self.runner, BatchRunner):
-            self.runner.assign(self.request_for(request_id), self.tbt_for(request_id))
-        else:
-            self.runner.assign(self.request_for(request_id))
+        self.runner.assign(self.request_for(request_id), self.tbt_for(request_id))
 
     def assign_packed(self, request_ids: tuple[str, ...]) -> None:
-        if not isinstance(self.runner, BatchRunner):
-            raise TypeError("packed prefill needs a batched worker")
         requests = [self.request_for(rid) for rid in request_ids]
         self.runner.assign_packed(requests, [self.tbt_for(rid) for rid in request_ids])
 
     def pause_decode(self, request_id: str, drop_state: bool) -> None:
-        if not isinstance(self.runner, BatchRunner):
-            raise TypeError("pause_decode needs a batched worker")
         self.runner.pause_decode(request_id, drop_state=drop_state)
 
     def resume(self, request_id: str) -> None:
@@ -196,7 +186,7 @@ def scheduler_event(worker_id: str, event: RunnerEvent) -> Event | None:
             )
         case Finished() | Failed():
             return RequestDone(event.request_id, worker_id)
-    return None  # Cancelled / TokenOut
+    return None  # Cancelled
 
 
 class _Run:
@@ -217,9 +207,7 @@ class _Run:
         )
         self.tiers = scheduler.tiers
         self.runners = {
-            f"w{i}": (BatchRunner if isinstance(engine, BatchEngine) else EngineRunner)(
-                engine, (lambda e, w=f"w{i}": self.events.put((w, e))), f"w{i}"
-            )
+            f"w{i}": BatchRunner(engine, (lambda e, w=f"w{i}": self.events.put((w, e))), f"w{i}")
             for i, engine in enumerate(engines)
         }
 
@@ -246,8 +234,7 @@ class _Run:
         for worker_id, runner in self.runners.items():
             runner.start()
             handle = InProcessWorker(runner, self.request, self.tbt_slo_s)
-            kv_slots = runner.engine.pool.num_slots if isinstance(runner, BatchRunner) else 0
-            self.dispatcher.worker_joined(worker_id, handle, kv_slots)
+            self.dispatcher.worker_joined(worker_id, handle, runner.engine.pool.num_slots)
         while self.unfinished > 0:
             try:
                 worker_id, event = self.events.get(timeout=self._timeout(max_idle_s))
@@ -299,8 +286,6 @@ class _Run:
                     record.first_token_at = event.at
                     record.first_token = event.token_id
                 record.token(0, event.at)
-            case TokenOut():
-                record.token(event.index, event.at)
             case Preempted():
                 record.preemptions += 1
                 record.recomputes += event.state_dropped
@@ -335,7 +320,7 @@ class _Run:
 
 def run_policy(
     scheduler: Scheduler,
-    engines: list[PrefillEngine],  # BatchEngine: a batched worker (BatchRunner)
+    engines: list[BatchEngine],  # one worker (a BatchRunner) each
     workload: Workload,
     *,
     vocab_size: int,

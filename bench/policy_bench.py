@@ -7,10 +7,10 @@ table per policy and tier, writes JSON and a PNG of TTFT CDFs. Optional extra ru
 tier's SLO configured at other multiples (``bench.slo_sweep``) and goodput at sustained rates
 (``bench.sustained``).
 
-With ``kv_slots`` > 0 every policy runs on batched workers (``worker.batch_engine``: one prefill
-at a time, the rest decoding in one batch, decode steps slotted into prefills by each tier's
-TBT target, packed prefills when the scheduler finds them safe), the same batching for all;
-requests then produce outputs of up to ``max_new_tokens``, and TBT is reported next to TTFT.
+Every policy runs on the workers' one engine (``worker.batch_engine``: one prefill at a time,
+the rest decoding in one batch, decode steps slotted into prefills by each tier's TBT target,
+packed prefills when the scheduler finds them safe), the same batching for all; requests
+produce outputs of up to ``max_new_tokens``, and TBT is reported next to TTFT.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
 
-# With batched workers, the longest output by default: scaled to what this 2-core CPU decodes
-# in a run (bench-llama); synthetic outputs spread below it (bench.workload.output_lengths).
+# The longest output by default: scaled to what this 2-core CPU decodes in a run
+# (bench-llama); synthetic outputs spread below it (bench.workload.output_lengths).
 BATCHED_MAX_NEW_TOKENS = 128
 
 
@@ -79,10 +79,10 @@ class PolicyBenchConfig:
     sustained_seeds: tuple[int, ...] = (0, 1, 2)
     sustained_min_critical: int = 100
     sustained_target: float = 0.9
-    # Batched workers (0: unbatched, one request at a time) and the longest synthetic output.
-    kv_slots: int = 0
+    # Each worker's KV slots and decode rows, and the longest synthetic output.
+    kv_slots: int = BatchConfig.pool_slots
     max_batch_size: int = BatchConfig.max_batch_size
-    max_new_tokens: int = 1
+    max_new_tokens: int = BATCHED_MAX_NEW_TOKENS
     smoke: bool = False  # a quick run: said in the output and the JSON
 
     @classmethod
@@ -97,11 +97,9 @@ def engine_for_policy(policy_name: str, cfg: PolicyBenchConfig) -> EngineConfig:
 
 
 def make_engines(model, policy_name: str, cfg: PolicyBenchConfig, workload: Workload) -> list:
-    """``cfg.workers`` engines for the policy: batched ones when ``cfg.kv_slots`` > 0, each
-    slot sized for the workload's longest request."""
+    """``cfg.workers`` engines for the policy, each slot sized for the workload's longest
+    request."""
     config = engine_for_policy(policy_name, cfg)
-    if cfg.kv_slots <= 0:
-        return [PrefillEngine(model, config) for _ in range(cfg.workers)]
     longest = max(a.prompt_tokens + a.max_new_tokens for a in workload.arrivals)
     batch = BatchConfig(
         min(cfg.max_batch_size, cfg.kv_slots), pool_slots=cfg.kv_slots, slot_tokens=longest
@@ -194,7 +192,7 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
             "chunk_size": engines[0].config.chunk_size,
             "check": engines[0].config.check,
             "kv_slots": cfg.kv_slots,
-            "max_batch_size": min(cfg.max_batch_size, cfg.kv_slots) if cfg.kv_slots else 1,
+            "max_batch_size": min(cfg.max_batch_size, cfg.kv_slots),
         }
         summaries[name]["run_position"] = position
         summaries[name]["speed_probe_ms"] = probe_ms

@@ -1,13 +1,11 @@
 """`tierflow bench --slo-sweep M,...`: the policies run again with the top tier's SLO changed.
 
 The SLO sensitivity curve (``bench.slo_curves``) judges one run at many SLOs. That is exact for
-a policy that never reads a deadline (fifo, priority, chunked, recompute on unbatched workers:
-the same arrivals give the same schedule whatever the SLO), but not for one that plans by
-deadlines (flowprefill): configured with a tighter SLO it preempts sooner. So for each multiple
-M of the top tier's isolated TTFT, the run is repeated with that tier's SLO set to M x isolated,
-for the policies whose decisions read deadlines: ``reads_deadlines`` policies, and every policy
-on batched workers (packing and decode pauses read deadlines there). Each point counts the
-requests within that SLO; shed or failed requests count as misses.
+a policy that never reads a deadline, but not for one that plans by deadlines (flowprefill):
+configured with a tighter SLO it preempts sooner. On the workers' batched engine every policy
+reads deadlines (packing and decode pauses do), so for each multiple M of the top tier's
+isolated TTFT, the run of every policy is repeated with that tier's SLO set to M x isolated.
+Each point counts the requests within that SLO; shed or failed requests count as misses.
 """
 
 from __future__ import annotations
@@ -16,16 +14,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from bench import slo_curves
-from queue_service.scheduler import make_policy
 from tierflow.tiers import TierTable
 
 RunPolicies = Callable[[TierTable, object, str], dict]
-
-
-def policies_to_rerun(cfg) -> tuple[str, ...]:
-    if cfg.kv_slots > 0:
-        return tuple(cfg.policies)
-    return tuple(name for name in cfg.policies if make_policy(name).reads_deadlines)
 
 
 def with_slo(tiers: TierTable, name: str, ttft_slo_s: float) -> TierTable:
@@ -36,7 +27,7 @@ def run(cfg, isolated_ms: dict, tiers: TierTable, run_policies: RunPolicies) -> 
     """``run_policies(tiers, cfg, label)`` runs ``cfg.policies`` on the bench's arrivals and
     returns their summaries. None when there is nothing to sweep."""
     top = next(iter(tiers)).name
-    rerun = policies_to_rerun(cfg)
+    rerun = tuple(cfg.policies)
     if not cfg.slo_multiples or not isolated_ms.get(top) or not rerun:
         return None
     points = []

@@ -80,8 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bench.policy_bench import BATCHED_MAX_NEW_TOKENS, PolicyBenchConfig, main
     from bench.traces import TraceOptions
 
-    batched = args.batch or args.kv_slots is not None
-    max_new = args.max_new_tokens or (BATCHED_MAX_NEW_TOKENS if batched else 1)
+    max_new = args.max_new_tokens or BATCHED_MAX_NEW_TOKENS
     trace_opts = TraceOptions(
         start_s=args.trace_start[0],
         duration_s=args.duration if args.duration is not None else 60.0,
@@ -105,7 +104,7 @@ def _bench(args: argparse.Namespace) -> int:
         "trace_options": trace_opts,
         "tiers_file": args.tiers,
         "predictor_file": args.predictor,
-        "kv_slots": (args.kv_slots or BatchConfig.pool_slots) if batched else None,
+        "kv_slots": args.kv_slots,
         "max_batch_size": args.max_batch_size,
         "max_new_tokens": max_new,
         "slo_multiples": tuple(float(m) for m in args.slo_sweep.split(","))
@@ -385,9 +384,9 @@ def _add_bench(sub) -> None:
     b.add_argument(
         "--batch",
         action="store_true",
-        help="every policy on batched workers (continuous decode batching, decode slotted into "
-        "prefills by TBT target, SLO-aware packed prefill); requests produce outputs, and TBT "
-        "is reported per tier",
+        help="accepted for older command lines: every policy runs on batched workers (continuous "
+        "decode batching, decode slotted into prefills by TBT target, SLO-aware packed "
+        "prefill); requests produce outputs, and TBT is reported per tier",
     )
     b.add_argument(
         "--sustained",
@@ -401,19 +400,16 @@ def _add_bench(sub) -> None:
         help="comma-separated multiples of the top tier's isolated TTFT: the policies that plan "
         "by deadlines run again with that tier's SLO set to each (e.g. 1.5,2,3,5)",
     )
-    b.add_argument(
-        "--kv-slots", type=int, help=f"batched: KV slots per worker ({BatchConfig.pool_slots})"
-    )
+    b.add_argument("--kv-slots", type=int, help=f"KV slots per worker ({BatchConfig.pool_slots})")
     b.add_argument(
         "--max-batch-size",
         type=int,
-        help=f"batched: decode rows per step ({BatchConfig.max_batch_size})",
+        help=f"decode rows per step ({BatchConfig.max_batch_size}; 1: one request at a time)",
     )
     b.add_argument(
         "--max-new-tokens",
         type=int,
-        help="longest output (synthetic: log-normal spread below it; traces: clip); default 1, "
-        "128 with --batch",
+        help="longest output (synthetic: log-normal spread below it; traces: clip); default 128",
     )
     b.add_argument(
         "--stack", action="store_true",

@@ -22,6 +22,7 @@ All of it runs on one thread (the runner's engine thread), like ``PrefillEngine`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +77,18 @@ class BatchEngine(PrefillEngine):
             head_dim=self.head_dim,
             num_slots=self.batch_config.pool_slots,
             slot_tokens=self.batch_config.slot_tokens or self.max_positions,
+            preallocate=self.batch_config.preallocate,
             dtype=self.dtype,
             device=self.device,
         )
-        # The decode step's own layer forward (worker.decode_forward), where the model fits it.
-        self.decode_layers = DecodeLayers.of(self)
+        # The decode step's own layer forward (worker.decode_forward), where the model fits it,
+        # and packed weights (worker.packed_linear), for a batch of more than one row. Both
+        # hold copies of the weights (on a CPU, about one more copy of the layer weights:
+        # docs/design.md, "The batched engine"); a worker of batch size 1 serves one request
+        # at a time and decodes through the model's own layers, holding no more than a
+        # per-request engine would.
+        self.fast_decode = self.batch_config.max_batch_size > 1
+        self.decode_layers = DecodeLayers.of(self) if self.fast_decode else None
         self.rows: list[Task] = []  # the decode batch: rows[i] owns slot i
 
     # ------------------------------------------------------------------ requests
@@ -97,7 +105,7 @@ class BatchEngine(PrefillEngine):
 
     def prefill(self, task: Task, channel, listener=_NO_LISTENER, between_layers=None):
         """Prefill ``task`` up to its first token (``RunStatus.PREFILLED``), or until stopped."""
-        return self.run(task, channel, listener, decode=False, between_layers=between_layers)
+        return self.run(task, channel, listener, between_layers=between_layers)
 
     def cancel(self, task: Task) -> None:
         if self.in_batch(task):
@@ -228,7 +236,8 @@ class BatchEngine(PrefillEngine):
         rotary = self.rotary(h, position_ids)
         masks = self._step_masks(positions, kv_len)
         cache = DecodeStepCache(self.pool, positions, kv_len)
-        with decode_products():  # a few rows against every weight: worker.packed_linear
+        products = decode_products() if self.fast_decode else contextlib.nullcontext()
+        with products:  # a few rows against every weight: worker.packed_linear
             if self.decode_layers is not None:  # fused products, few operators
                 layer_masks = [masks[layer_type] for layer_type in self.layer_types]
                 h = self.decode_layers(h, *rotary, layer_masks, cache)
@@ -281,7 +290,12 @@ class BatchEngine(PrefillEngine):
         return zeros.masked_fill(~allowed, lowest)
 
     def _new_cache(self, request: GenerationRequest) -> SlotCache:
-        return self.pool.allocate(request.request_id)
+        return self.pool.allocate(request.request_id, self._tokens_of(request))
+
+    @staticmethod
+    def _tokens_of(request: GenerationRequest) -> int:
+        """Positions a request's KV may need: its prompt and every token it may produce."""
+        return len(request.prompt_ids) + request.max_new_tokens
 
     def _free(self, task: Task) -> None:
         if task.state is not None and isinstance(task.state.cache, SlotCache):

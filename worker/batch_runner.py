@@ -1,13 +1,15 @@
-"""The batched engine on its own thread: prefills one at a time, decode for all at once.
+"""The worker's one runner: the batched engine on its own thread, commands in, events out.
 
-Same commands and events as ``worker.runner.EngineRunner`` (assign / resume / preempt /
-cancel in; ``worker.events`` out), so the dispatcher's handles can drive either, plus
-``assign_packed`` and ``pause_decode``. What changes is what the engine thread does between
-commands:
+The scheduler (in-process in the benchmark, behind the control stream in the worker process)
+calls ``assign`` / ``assign_packed`` / ``resume`` / ``preempt`` / ``pause_decode`` / ``cancel``
+from its own thread; everything the engine does is reported through ``emit`` (called on the
+engine thread) as ``worker.events`` dataclasses. A single-request worker is this runner with
+one KV slot and a batch of one (``BatchConfig``), not another code path. What the engine
+thread does between commands:
 
-- a request's prefill runs (chunked, preemptible at layer boundaries, as before); when its
-  first token is out it joins the decode batch (or waits for a free row) and the next prefill
-  may start at once: a worker now holds one prefill *and* a batch of decoding requests;
+- a request's prefill runs (chunked, preemptible at layer boundaries); when its first token is
+  out it joins the decode batch (or waits for a free row) and the next prefill may start at
+  once: a worker holds one prefill *and* a batch of decoding requests;
 - ``assign_packed`` prefills several short prompts in one forward (``worker.packed_prefill``);
   the pack is one unit of work: a preempt or resume naming any member applies to all of it,
   and each member gets its own events;
@@ -25,7 +27,12 @@ commands:
   ``DecodeRejoined``. Tokens are emitted once each: a recompute does not repeat them.
 
 Every engine call happens on the engine thread; other threads only queue work, except that a
-preempt or cancel of the running prefill raises the channel at once (as in ``EngineRunner``).
+preempt or cancel of the running prefill raises the preemption channel at once, from the
+caller's thread, so the layer loop sees it at its next boundary without waiting for any queue.
+A lock makes "is this request the one running?" and "raise the channel" one step, and the
+engine thread reads and clears the channel under the same lock when a run returns: a signal
+left there (it came after the last checked boundary) is acted on then, and can never stop the
+next request.
 """
 
 from __future__ import annotations
@@ -50,19 +57,25 @@ from worker.events import (
     Finished,
     FirstToken,
     Preempted,
+    Progress,
     RunnerEvent,
 )
 from worker.kv_pool import PoolFullError
 from worker.packed_prefill import PackedPrefill
 from worker.preemption import PreemptionChannel, Signal
 from worker.request import GenerationRequest, InvalidRequestError
-from worker.runner import _Listener, _Progress
 from worker.task import Phase, Task
 
 NO_TARGET = float("inf")
 # The longest the engine keeps itself free, after a preemption, for the assignment that follows
 # (a round trip to the queue service); rows that are due sooner get their step first.
 PREEMPTED_WAIT_S = 0.05
+
+
+@dataclass
+class _Progress:
+    busy_s: float = 0.0  # engine time spent on this request's prefill, all runs
+    run_started: float = 0.0
 
 
 @dataclass
@@ -76,21 +89,44 @@ class _Entry:
 Work = str | PackedPrefill  # one request's prefill, or a pack's
 
 
-class _BatchListener(_Listener):
-    """Adds the pack to a first token prefilled in one."""
+class _Listener:
+    """Turns engine callbacks into events, on the engine thread. Decode tokens are not
+    reported one by one: a step's tokens go out together (``DecodeStepDone``)."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+
+    def on_chunk_done(self, task: Task, tokens_done: int) -> None:
+        self.runner.emit(
+            Progress(task.request_id, tokens_done, task.prompt_len, time.perf_counter())
+        )
+
+    def on_layers_done(self, task: Task, chunk: int, layers_done: int) -> None:
+        start, end = task.chunks[chunk]
+        n_layers = len(self.runner.engine.layers)
+        self.runner.emit(
+            Progress(
+                task.request_id, start, task.prompt_len, time.perf_counter(),
+                layers_done, n_layers, end,
+            )
+        )  # fmt: skip
 
     def on_first_token(self, task: Task, token_id: int, logits: torch.Tensor) -> None:
+        """Its prefill's engine time, and the pack's size when it was prefilled in one."""
         runner = self.runner
         entry = runner._entries.get(task.request_id)
-        pack = entry.pack if entry is not None else None
-        if pack is None:
-            super().on_first_token(task, token_id, logits)
+        if entry is None:  # no longer held (cancelled while its pack ran): nothing to report
             return
         now = time.perf_counter()
         progress = entry.progress
         busy = progress.busy_s + now - progress.run_started
-        size, tokens = len(pack.tasks), sum(t.prompt_len for t in pack.tasks)
+        pack = entry.pack
+        size = len(pack.tasks) if pack is not None else 0
+        tokens = sum(t.prompt_len for t in pack.tasks) if pack is not None else 0
         runner.emit(FirstToken(task.request_id, token_id, now, busy, task.prompt_len, tokens, size))
+
+    def on_token(self, task: Task, token_id: int) -> None:
+        pass
 
 
 class BatchRunner:
@@ -110,8 +146,7 @@ class BatchRunner:
         self._signalled_at = 0.0
         self._stopping = False
         self.busy = BusyClock()
-        self._listener = _BatchListener(self)  # it reads self.engine and self._progress
-        self._progress: dict[str, _Progress] = {}
+        self._listener = _Listener(self)  # it reads self.engine and self._entries
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -168,6 +203,11 @@ class BatchRunner:
         # Queued, suspended, decoding, or one member of a running pack (the pack goes on for
         # the others; this one is freed when it ends).
         self._commands.put(("cancel", request_id))
+
+    @property
+    def listener(self) -> _Listener:
+        """The engine listener this runner passes to every run (it emits the events)."""
+        return self._listener
 
     @property
     def running_request_id(self) -> str | None:
@@ -254,7 +294,6 @@ class BatchRunner:
             self.emit(Failed(rid, str(exc), True, time.perf_counter()))
             return None
         self._entries[rid] = _Entry(task, _Progress(), target)
-        self._progress[rid] = self._entries[rid].progress
         return task
 
     def _on_assign_packed(self, arg) -> None:
@@ -333,7 +372,6 @@ class BatchRunner:
 
     def _on_cancel(self, rid: str) -> None:
         entry = self._entries.pop(rid, None)
-        self._progress.pop(rid, None)
         if entry is None:
             return
         for pending in (self._prefills, self._waiting_rows):
@@ -409,7 +447,6 @@ class BatchRunner:
 
     def _finish(self, task: Task) -> None:
         entry = self._entries.pop(task.request_id)
-        self._progress.pop(task.request_id, None)
         self.emit(
             Finished(
                 task.request_id, tuple(task.output_ids), entry.progress.busy_s,
@@ -446,7 +483,10 @@ class BatchRunner:
             signal = self.channel.signal
             self.channel.clear()
         stopped = outcome is not None and outcome.status is RunStatus.PREEMPTED
-        if signal is Signal.CANCEL and stopped:
+        if signal is Signal.CANCEL:
+            # Left on the channel: the Cancel came after the engine stopped for a preemption,
+            # or after the prefill's last checked boundary (its first token is out). Either
+            # way the scheduler has freed the request's slot; it must not join the batch.
             for rid in ids:
                 self._on_cancel(rid)
             return False
@@ -492,7 +532,6 @@ class BatchRunner:
         entry = self._entries[rid]
         if outcome is None:
             self._entries.pop(rid, None)
-            self._progress.pop(rid, None)
             self.emit(Failed(rid, error or "failed", False, now))
         elif outcome.status is RunStatus.PREEMPTED:
             held, point = outcome.held_bytes, outcome.resume_point
@@ -504,7 +543,6 @@ class BatchRunner:
             self.emit(Preempted(rid, point, held, dropped, now, self._signalled_at))
         elif outcome.status is RunStatus.CANCELLED:
             self._entries.pop(rid, None)
-            self._progress.pop(rid, None)
             self.emit(Cancelled(rid, now))
         elif task.phase is Phase.FINISHED:  # its first token was its last
             self._finish(task)

@@ -70,20 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-slots",
         type=int,
         default=defaults.kv_slots,
-        help="a batched worker with this many KV slots: one prefill at a time while the others "
-        "decode in one batch (0: unbatched, one request at a time)",
+        help=f"KV slots: one prefill at a time while the others decode in one batch "
+        f"(default: {defaults.kv_slots}; 1: one request at a time)",
     )
     parser.add_argument(
         "--max-batch-size",
         type=int,
         default=defaults.max_batch_size,
-        help="batched: requests decoding in one step (default: 16, at most --kv-slots)",
+        help="requests decoding in one step (default: 16, at most --kv-slots)",
     )
     parser.add_argument(
         "--slot-tokens",
         type=int,
         default=defaults.slot_tokens,
-        help="batched: prompt + new tokens one request may hold (default: the model's context)",
+        help="prompt + new tokens one request may hold (default: the model's context)",
+    )
+    parser.add_argument(
+        "--preallocate-kv",
+        action="store_true",
+        help="allocate every KV slot at full size at start (no pool growth while serving)",
     )
     parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
     parser.add_argument(
@@ -110,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         kv_slots=args.kv_slots,
         max_batch_size=args.max_batch_size,
         slot_tokens=args.slot_tokens,
+        preallocate_kv=args.preallocate_kv,
         **extra,
     )
 

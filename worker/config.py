@@ -72,6 +72,10 @@ class BatchConfig:
     max_batch_size: int = 16  # decoding requests in one step
     pool_slots: int = 24  # KV slots: every admitted request (prefilling, decoding, paused) owns one
     slot_tokens: int | None = None  # tokens per slot (prompt + new); None: the model's context
+    # Allocate every slot at full size when the engine starts, and keep it: no growth while
+    # serving (growing copies the pool, stalling the engine thread: docs/design.md, "The
+    # batched engine"), at the memory of a full pool from the start.
+    preallocate: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size <= 0:
@@ -106,13 +110,15 @@ class WorkerConfig:
     reconnect_max_s: float = 5.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
-    # A batched worker (worker.batch_engine) with this many KV slots: it prefills one request
-    # while the others decode together. 0: unbatched, one request at a time, decode included.
-    kv_slots: int = 0
-    # Batched only. Rows of one decode step; None: BatchConfig's default, at most kv_slots.
+    # KV slots (worker.batch_engine): the worker prefills one request while the others
+    # decode together. 1 (with a batch of 1): one request at a time, on the same engine.
+    kv_slots: int = BatchConfig.pool_slots
+    # Rows of one decode step; None: BatchConfig's default, at most kv_slots.
     max_batch_size: int | None = None
-    # Batched only. Tokens (prompt + new) one request may hold; None: the model's context.
+    # Tokens (prompt + new) one request may hold; None: the model's context.
     slot_tokens: int | None = None
+    # The whole KV pool allocated at start (BatchConfig.preallocate) instead of as it fills.
+    preallocate_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.queue_service:
@@ -126,24 +132,22 @@ class WorkerConfig:
                 "need 0 < reconnect_min_s <= reconnect_max_s, got "
                 f"{self.reconnect_min_s} and {self.reconnect_max_s}"
             )
-        if self.kv_slots < 0:
-            raise ValueError(f"kv_slots must be >= 0 (0: unbatched), got {self.kv_slots}")
-        if self.kv_slots == 0 and (self.max_batch_size is not None or self.slot_tokens is not None):
+        if self.kv_slots < 1:
             raise ValueError(
-                "max_batch_size and slot_tokens configure a batched worker: set kv_slots >= 1"
+                f"kv_slots must be >= 1 (1: one request at a time), got {self.kv_slots}"
             )
-        if self.batched:
-            self.batch_config()  # validates the batch and pool sizes now, with a clear error
-
-    @property
-    def batched(self) -> bool:
-        return self.kv_slots > 0
+        self.batch_config()  # validates the batch and pool sizes now, with a clear error
 
     def batch_config(self) -> BatchConfig:
-        """The batched engine's sizes (only meaningful when ``batched``)."""
+        """The engine's KV pool and decode batch sizes."""
         default = min(BatchConfig.max_batch_size, self.kv_slots)
         size = default if self.max_batch_size is None else self.max_batch_size
-        return BatchConfig(size, pool_slots=self.kv_slots, slot_tokens=self.slot_tokens)
+        return BatchConfig(
+            size,
+            pool_slots=self.kv_slots,
+            slot_tokens=self.slot_tokens,
+            preallocate=self.preallocate_kv,
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

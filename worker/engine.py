@@ -16,8 +16,9 @@ up to a memory cap (``worker.memory``); past it, or when asked to (``Signal.PREE
 stopped task's state is dropped and it recomputes later (a decoding task recomputes its prompt
 and the tokens it produced, and continues: no token is produced twice).
 
-After prefill the first token is sampled (the TTFT event), then decode runs up to
-``max_new_tokens``, reading the channel between decode steps.
+After prefill the first token is sampled (the TTFT event) and the run ends; decoding is the
+batched engine's (``worker.batch_engine.BatchEngine.decode_step``), one step for every request
+past its first token.
 
 Supported: models shaped like Llama/Qwen2/Mistral (``model.model.layers`` with rotary
 embeddings, decoder layers made of input_layernorm/self_attn/post_attention_layernorm/mlp), with
@@ -47,7 +48,7 @@ from worker.task import ChunkContext, ExecutionState, Phase, ResumePoint, Task
 
 class RunStatus(enum.Enum):
     PREEMPTED = "preempted"
-    PREFILLED = "prefilled"  # run(decode=False): first token out, the task waits to decode
+    PREFILLED = "prefilled"  # first token out, the task waits to decode
     FINISHED = "finished"
     CANCELLED = "cancelled"
 
@@ -189,13 +190,11 @@ class PrefillEngine:
         channel: PreemptionChannel,
         listener: EngineListener = _NO_LISTENER,
         *,
-        decode: bool = True,
         between_layers: BetweenLayers | None = None,
     ) -> RunOutcome:
-        """Run ``task`` until it finishes or the channel stops it at a checked boundary.
-
-        With ``decode`` False the run ends after the first token (``PREFILLED``, or
-        ``FINISHED`` when that token ends the request): the batched engine decodes it.
+        """Prefill ``task`` up to its first token (``PREFILLED``, or ``FINISHED`` when that
+        token ends the request: the batched engine decodes the others), or until the channel
+        stops it at a checked boundary.
         The engine clears the signal it acts on; callers clear stale signals before a run.
         """
         if task.phase in (Phase.FINISHED, Phase.CANCELLED):
@@ -209,8 +208,6 @@ class PrefillEngine:
                 stopped = self._prefill(task, channel, listener, between_layers)
                 if stopped is not None:
                     return stopped
-            if decode:
-                return self._decode(task, channel, listener)
             if self.is_done(task):
                 self._free(task)
                 task.phase = Phase.FINISHED
@@ -339,37 +336,6 @@ class PrefillEngine:
                 if between_layers is not None:
                     between_layers()
         return h
-
-    def _decode(
-        self, task: Task, channel: PreemptionChannel, listener: EngineListener
-    ) -> RunOutcome:
-        state = task.state
-        assert state is not None
-        request = task.request
-        checks = self.config.check != "none"
-        while not self.is_done(task):
-            last = task.output_ids[-1]
-            if checks and channel.signal is not None:
-                return self._stop(task, channel)
-            position = task.prompt_len + len(task.output_ids) - 1
-            h = self.embed(torch.tensor([[last]], device=self.device))
-            ctx = self._chunk_context(position, position + 1, h)
-            for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
-                h = layer(
-                    h,
-                    attention_mask=ctx.masks[layer_type],
-                    position_ids=ctx.position_ids,
-                    cache=state.cache,
-                    use_cache=True,
-                    position_embeddings=ctx.rotary,
-                )
-            logits = self.lm_head(self.norm(h[:, -1:, :]))[0, -1]
-            token = sample_next_token(logits, request.sampling, task.generator)
-            task.output_ids.append(token)
-            listener.on_token(task, token)
-        self._free(task)
-        task.phase = Phase.FINISHED
-        return RunOutcome(RunStatus.FINISHED)
 
     def is_done(self, task: Task) -> bool:
         """The task has all its tokens, or its last one is an end-of-sequence it stops at."""

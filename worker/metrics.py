@@ -126,7 +126,7 @@ class WorkerMetrics:
         clock: Callable[[], float] = time.monotonic,
     ) -> Callable[[], None]:
         """One sample per call. ``busy_seconds``: the runner's engine time so far
-        (``worker.busy_clock``); ``decoding``: rows of a batched engine's decode batch;
+        (``worker.busy_clock``); ``decoding``: rows of the engine's decode batch;
         ``clock``: a parameter so that a test can drive the samples without sleeping."""
         # (when, busy seconds) over the last window, oldest first.
         span = max(2, round(window_s / SAMPLE_S) + 1)

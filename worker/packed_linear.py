@@ -8,8 +8,8 @@ whose batch size varies (``torch._inductor``'s oneDNN fusion with freezing emits
 operators); this module does it without compiling, so the engine's layer-by-layer loop, its
 preemption checks and caches stay as they are. Only a batched decode step's products (the
 engine runs it inside ``decode_products()``), of at most ``PACKED_MAX_ROWS`` rows, take the
-packed copy; every other forward (prefills, the unbatched engine, a plain ``transformers``
-call) takes the plain path, as before.
+packed copy; every other forward (prefills, a plain ``transformers`` call) takes the plain
+path, as before.
 
 Measured on the 2-core development machine (bench-llama, engine decode steps at 512 tokens of
 context; plain and packed copies of the model interleaved in one process, 3 rounds): median

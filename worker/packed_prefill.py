@@ -66,7 +66,8 @@ def start_pack(engine, pack: PackedPrefill) -> None:
         )
     caches: list[SlotCache] = []
     for task in pack.tasks:
-        task.state = ExecutionState(cache=engine.pool.allocate(task.request_id))
+        tokens = task.prompt_len + task.request.max_new_tokens
+        task.state = ExecutionState(cache=engine.pool.allocate(task.request_id, tokens))
         task.phase = Phase.PREFILL
         caches.append(task.state.cache)
     lengths = [t.prompt_len for t in pack.tasks]

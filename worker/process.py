@@ -1,13 +1,13 @@
 """The worker process: one per device, attached to the queue service by one control stream.
 
-It loads the model once, builds the preemptible engine and its runner (``worker.runner``), or,
-with ``kv_slots`` > 0, the batched engine and its runner (``worker.batch_runner``: one prefill
-at a time while every request past its first token decodes in one batch), and dials
-``WorkerControl.Attach``. Threads:
+It loads the model once, builds the engine (``worker.batch_engine``) and its runner
+(``worker.batch_runner``: one prefill at a time, preemptible at layer boundaries, while every
+request past its first token decodes in one batch; ``kv_slots`` 1 serves one request at a
+time), and dials ``WorkerControl.Attach``. Threads:
 
 * the control thread dials, sends ``Hello`` first, then reads ``ControlMessage``s and calls the
   runner the moment each arrives. A ``Preempt`` raises the engine's preemption flag from this
-  thread (``EngineRunner.preempt``): no queue stands between the wire and the layer loop, which
+  thread (``BatchRunner.preempt``): no queue stands between the wire and the layer loop, which
   reads the flag at its next boundary.
 * the engine thread (the runner's) reports what it did through ``_on_event``; each event is
   converted by ``worker.wire`` and queued on the session's outgoing queue, which the stream's
@@ -35,13 +35,11 @@ from worker.backoff import Backoff
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
 from worker.config import WorkerConfig
-from worker.engine import PrefillEngine
 from worker.event_log import log_event
 from worker.events import Cancelled, Failed, Finished, RunnerEvent
 from worker.metrics import WorkerMetrics
 from worker.models import LoadedModel, load_model
 from worker.request import GenerationRequest, InvalidRequestError
-from worker.runner import EngineRunner
 from worker.session import Session
 
 log = structlog.get_logger(__name__)
@@ -66,12 +64,7 @@ class WorkerProcess:
         self._log = log.bind(worker_id=config.worker_id)
         started = time.perf_counter()
         self.model = loaded_model or load_model(config.model, device=config.device)
-        if config.batched:
-            self.engine = BatchEngine(
-                self.model.model, config.engine_config(), config.batch_config()
-            )
-        else:
-            self.engine = PrefillEngine(self.model.model, config.engine_config())
+        self.engine = BatchEngine(self.model.model, config.engine_config(), config.batch_config())
         self._log.info(
             "engine ready",
             model=self.model.name,
@@ -84,11 +77,7 @@ class WorkerProcess:
             load_s=round(time.perf_counter() - started, 3),
         )
         name = f"engine-{config.worker_id}"
-        self.runner: EngineRunner | BatchRunner = (
-            BatchRunner(self.engine, self._on_event, name=name)
-            if isinstance(self.engine, BatchEngine)
-            else EngineRunner(self.engine, self._on_event, name=name)
-        )
+        self.runner = BatchRunner(self.engine, self._on_event, name=name)
         self.metrics = WorkerMetrics(config.deployment, config.worker_id)
         self.metrics_endpoint = None
         self._hello = wire.hello(config.worker_id, self.model.name, self.engine)
@@ -115,7 +104,7 @@ class WorkerProcess:
             self.runner.busy.seconds,
             lambda: self.runner.suspended_bytes,
             lambda: len(self._held),
-            decoding=lambda: len(self.engine.rows) if isinstance(self.engine, BatchEngine) else 0,
+            decoding=lambda: len(self.engine.rows),
         )
         self.metrics_endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
         self._thread.start()
@@ -278,21 +267,14 @@ class WorkerProcess:
         if request is None:
             return
         try:  # an invalid prompt comes back at once as Failed
-            if isinstance(self.runner, BatchRunner):
-                self.runner.assign(request, wire.tbt_slo_s(assign))
-            else:
-                self.runner.assign(request)
+            self.runner.assign(request, wire.tbt_slo_s(assign))
         except Exception as exc:
             self._failed(request.request_id, exc)
 
     def _assign_packed(self, packed: worker_pb2.AssignPacked) -> None:
-        """Several prompts to prefill in one forward; an unbatched worker runs them in turn."""
+        """Several prompts to prefill in one forward."""
         accepted = [(a, r) for a in packed.members if (r := self._accept(a)) is not None]
         if not accepted:
-            return
-        if not isinstance(self.runner, BatchRunner):
-            for _, request in accepted:
-                self.runner.assign(request)
             return
         requests = [r for _, r in accepted]
         try:
@@ -311,7 +293,7 @@ class WorkerProcess:
             return None
         with self._cond:
             # A held id is assigned again only after its state was dropped (recompute policy,
-            # memory cap): the runner then recomputes its own task (EngineRunner.assign).
+            # memory cap): the runner then recomputes its own task (BatchRunner.assign).
             draining = self._draining and request_id not in self._held
             if not draining:
                 self._held.add(request_id)
@@ -333,9 +315,6 @@ class WorkerProcess:
         )
 
     def _pause_decode(self, pause: worker_pb2.PauseDecode) -> None:
-        if not isinstance(self.runner, BatchRunner):
-            self._log.warning("pause_decode ignored: unbatched", request_id=pause.request_id)
-            return
         self.runner.pause_decode(pause.request_id, drop_state=pause.drop_state)
 
     def _resume(self, request_id: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from tierflow.v1 import worker_pb2
 from worker.batch_engine import BatchEngine
-from worker.engine import PrefillEngine
 from worker.events import (
     Cancelled,
     DecodeRejoined,
@@ -154,11 +153,10 @@ def preemption_latency_ms(event: Preempted) -> float:
     return (event.at - event.signalled_at) * 1000.0
 
 
-def hello(worker_id: str, model_name: str, engine: PrefillEngine) -> worker_pb2.WorkerMessage:
-    """The first message of every session: what this worker serves, how it preempts and, for
-    a batched engine, its KV slots (0: unbatched)."""
+def hello(worker_id: str, model_name: str, engine: BatchEngine) -> worker_pb2.WorkerMessage:
+    """The first message of every session: what this worker serves, how it preempts, its KV
+    slots and decode batch (always at least 1: the queue service refuses 0)."""
     config = engine.config
-    batched = isinstance(engine, BatchEngine)
     return worker_pb2.WorkerMessage(
         hello=worker_pb2.Hello(
             worker_id=worker_id,
@@ -170,9 +168,9 @@ def hello(worker_id: str, model_name: str, engine: PrefillEngine) -> worker_pb2.
             chunk_size=config.chunk_size or 0,  # 0 on the wire: the whole prompt is one chunk
             check=config.check,
             memory_cap_bytes=config.memory_cap_bytes,
-            kv_slots=engine.pool.num_slots if batched else 0,
-            max_batch_size=engine.batch_config.max_batch_size if batched else 0,
-            slot_tokens=engine.pool.slot_tokens if batched else 0,
+            kv_slots=engine.pool.num_slots,
+            max_batch_size=engine.batch_config.max_batch_size,
+            slot_tokens=engine.pool.slot_tokens,
         )
     )
 

@@ -10,7 +10,7 @@ runs, and the rules of the protocol live here once:
 - Assign / Resume / Preempt / Cancel go to the handle of the worker they name. An Assign of a
   request the worker has seen before means "recompute from token 0" (its state was dropped);
   handles implement ``assign`` that way.
-- Batched workers (joined with ``kv_slots`` > 0) also get AssignPacked (several prompts
+- Workers (each joined with its ``kv_slots``) also get AssignPacked (several prompts
   prefilled in one forward; a Preempt or Resume of any member applies to the whole pack) and
   PauseDecode (a decoding request leaves the batch between steps, acknowledged like a Preempt;
   Resume puts it back). What they report includes one ``DecodeStepDone`` per decode step.
@@ -117,8 +117,9 @@ class Dispatcher:
         self.stats.events += 1
         self.apply(commands)
 
-    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int = 0) -> None:
-        """``kv_slots`` > 0: a batched worker (its decode batch does not hold its prefill)."""
+    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int) -> None:
+        """A worker with ``kv_slots`` KV slots (>= 1; its decode batch does not hold its
+        prefill)."""
         self.handles[worker_id] = handle
         self.handle(WorkerJoined(worker_id, kv_slots))
 

@@ -228,8 +228,8 @@ class ServiceCore:
     def workers(self) -> frozenset[str]:
         return frozenset(self.dispatcher.handles)
 
-    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int = 0) -> None:
-        """``kv_slots`` > 0: a batched worker (its Hello said so)."""
+    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int) -> None:
+        """A worker with ``kv_slots`` KV slots (its Hello said so; >= 1)."""
         for live in self.live.values():
             live.unattended_since = None
         self.dispatcher.worker_joined(worker_id, handle, kv_slots)

@@ -96,8 +96,6 @@ def decode_pauses(
         return []
     pauses = []
     for worker in workers:
-        if not worker.batched:
-            continue
         rank = _risky_rank(worker, requests, estimator, now)
         for rid in worker.decoding:
             req = requests[rid]
@@ -116,8 +114,6 @@ def decode_resumes(
     """Paused decodes whose worker no longer runs a higher tier's prefill at risk."""
     resumes = []
     for worker in workers:
-        if not worker.batched:
-            continue
         rank = _risky_rank(worker, requests, estimator, now)
         for rid in worker.suspended:
             req = requests[rid]
@@ -138,7 +134,7 @@ def slot_evictions(
     slots: one decoding request of a lower tier there, whose state is dropped."""
     if not policy.preempts:
         return []
-    blocked = [w for w in workers if w.batched and w.free and not w.has_kv_slot]
+    blocked = [w for w in workers if w.free and not w.has_kv_slot]
     if not blocked:
         return []
     req = next((r for r in waiting if r.state is RequestState.QUEUED), None)

@@ -115,10 +115,16 @@ class DecodeStepDone:
 
 @dataclass(frozen=True)
 class WorkerJoined:
-    """``kv_slots`` > 0: a batched worker with that many KV slots (0: one request at a time)."""
+    """A worker with ``kv_slots`` KV slots: it prefills one request while the others decode in
+    its batch (1: one request at a time). A worker that says 0 (one from before every worker
+    batched) is refused by the queue service; here it is an error."""
 
     worker_id: str
-    kv_slots: int = 0
+    kv_slots: int
+
+    def __post_init__(self) -> None:
+        if self.kv_slots < 1:
+            raise ValueError(f"worker {self.worker_id!r} has {self.kv_slots} KV slots: needs >= 1")
 
 
 @dataclass(frozen=True)

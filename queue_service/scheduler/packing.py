@@ -84,7 +84,7 @@ def choose_pack(
     """The requests to prefill together with ``head``, which was just placed on ``worker``
     (``ranked``: the policy's order; ``placed``: requests placed on some worker now). Empty
     when ``head`` prefills alone."""
-    if limits.max_size < 2 or not worker.batched or not packable(head, limits):
+    if limits.max_size < 2 or not packable(head, limits):
         return []
     free_slots = worker.kv_slots - worker.held - 1  # the head's slot is not counted yet
     margin = estimator.errors.margin()

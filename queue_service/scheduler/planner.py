@@ -21,10 +21,10 @@ from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 
 @dataclass(frozen=True)
 class Estimator:
-    """Predicted time left for a request: its prefill, and all it will hold a worker for."""
+    """Predicted time left for a request's prefill: what it holds its worker's engine for
+    (past its first token it decodes in the worker's batch, beside the next prefill)."""
 
     predictor: PrefillTimePredictor
-    decode_s_per_token: float
     errors: PredictionErrors
     switch: SwitchTime = field(default_factory=SwitchTime)
 
@@ -38,13 +38,6 @@ class Estimator:
             # Between progress reports the worker keeps computing.
             left = max(0.0, left - (now - req.progress_at_s))
         return left
-
-    def busy_left(self, req: Request, now: float) -> float:
-        """Prefill left plus the decode estimate: how long it will occupy a worker."""
-        decode = req.max_new_tokens * self.decode_s_per_token
-        if req.prefilled and req.state in (RequestState.DECODING, RequestState.PREEMPTING):
-            decode = max(0.0, decode - (now - req.progress_at_s))
-        return self.prefill_left(req, now) + decode
 
 
 @dataclass(frozen=True)
@@ -108,12 +101,7 @@ def guard_tiers(
     the guard also ranks first when its worker frees (no preempt/resume loop).
     """
     lanes = max(1, len(workers))
-    busy = (
-        estimator.prefill_left
-        if workers and all(w.batched for w in workers)
-        else estimator.busy_left
-    )
-    cost = {r.request_id: busy(r, now) for r in (*aged, *ranked)}
+    cost = {r.request_id: estimator.prefill_left(r, now) for r in (*aged, *ranked)}
     margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
     aged_cost = sum(cost[r.request_id] for r in aged)
 
@@ -196,11 +184,10 @@ def choose_preemptions(
     free_at, victims = _busy_workers(workers, requests, estimator, rules, now)
     covered = {w.reserved_for for w in workers if w.reserved_for}
     seq = {w.worker_id: w.seq for w in workers}
-    batched = {w.worker_id: w.batched for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
-    # A batched worker whose KV slots are all held has no room for a new request's state
-    # unless the preempted request gives its own up.
-    full = {w.worker_id: w.batched and not w.has_kv_slot for w in workers}
+    # A worker whose KV slots are all held has no room for a new request's state unless the
+    # preempted request gives its own up.
+    full = {w.worker_id: not w.has_kv_slot for w in workers}
 
     chosen: list[tuple[Request, Request, bool]] = []
     for req in waiting:
@@ -214,7 +201,7 @@ def choose_preemptions(
         else:
             target = min(free_at, key=lambda wid: (free_at[wid], seq[wid]))
         start = free_at[target]
-        busy = (estimator.prefill_left if batched[target] else estimator.busy_left)(req, now)
+        busy = estimator.prefill_left(req, now)
         picked = None
         if not rules.aged(req, now):
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
@@ -252,12 +239,11 @@ def _busy_workers(
         elif active.state is RequestState.PREEMPTING:
             # Stopping now; then busy with the request it was preempted for.
             heir = requests.get(worker.reserved_for) if worker.reserved_for else None
-            busy = estimator.busy_left(heir, now) if heir is not None and heir.waiting else 0.0
+            busy = estimator.prefill_left(heir, now) if heir is not None and heir.waiting else 0.0
             free_at[worker.worker_id] = now + busy
         else:
-            # A batched worker's prefill frees when the first token is out; decode is batched.
-            left = estimator.prefill_left if worker.batched else estimator.busy_left
-            free_at[worker.worker_id] = now + left(active, now)
+            # A worker's prefill frees when the first token is out; decode is batched.
+            free_at[worker.worker_id] = now + estimator.prefill_left(active, now)
             if rules.preemptible(active, now):
                 victims[worker.worker_id] = active
     return free_at, victims
@@ -328,6 +314,7 @@ def wakeups(
 def predicted_wait_s(
     requests: Iterable[Request], n_workers: int, estimator: Estimator, now: float
 ) -> float:
-    """How long a newcomer that queues behind everything would wait: the backlog per worker."""
-    backlog = sum(estimator.busy_left(r, now) for r in requests)
+    """How long a newcomer that queues behind everything would wait: the prefill backlog per
+    worker (decoding holds no worker's prefill)."""
+    backlog = sum(estimator.prefill_left(r, now) for r in requests)
     return backlog / max(1, n_workers)

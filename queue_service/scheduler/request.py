@@ -1,10 +1,8 @@
 """The scheduler's view of one request, and of one worker's slot.
 
-An unbatched worker runs one request at a time, prefill then decode (``worker/engine.py``), so
-a request holds its worker from Assign/Resume until it is done, preempted or cancelled. A
-batched worker (``worker/batch_engine.py``) runs one prefill at a time while the requests past
-their first token decode together: a request holds its worker's prefill until its first token,
-then a row of its decode batch, and a KV slot throughout. A suspended
+A worker (``worker/batch_engine.py``) runs one prefill at a time while the requests past their
+first token decode together: a request holds its worker's prefill until its first token, then
+a row of its decode batch, and a KV slot throughout. A suspended
 request's KV state lives on ONE worker: it can only resume there, unless the state was dropped.
 """
 
@@ -93,24 +91,19 @@ class WorkerSlot:
     # While PREEMPTING: the waiting request it is preempted for, so that one does not trigger a
     # second preemption elsewhere before the ack (one preemption per beneficiary).
     reserved_for: str | None = None
-    # A batched worker (worker.batch_engine): KV slots for every request it holds (prefilling,
-    # decoding, suspended or paused). 0: unbatched, one request at a time, decode included.
-    kv_slots: int = 0
-    # Batched workers only: requests decoding in its batch. They do not hold ``active``: the
-    # worker prefills the next request while they decode.
+    # KV slots for every request it holds (prefilling, decoding, suspended or paused).
+    kv_slots: int = 1
+    # Requests decoding in its batch. They do not hold ``active``: the worker prefills the
+    # next request while they decode.
     decoding: dict[str, None] = field(default_factory=dict)
-    # Batched workers only: the members of the running packed prefill other than ``active``.
+    # The members of the running packed prefill other than ``active``.
     riders: dict[str, None] = field(default_factory=dict)
-    # Batched workers only: the learnt time of one decode step (``DecodeStepDone``).
+    # The learnt time of one decode step (``DecodeStepDone``).
     decode_step_s: float = 0.0
 
     @property
     def free(self) -> bool:
         return self.active is None
-
-    @property
-    def batched(self) -> bool:
-        return self.kv_slots > 0
 
     @property
     def held(self) -> int:
@@ -120,5 +113,5 @@ class WorkerSlot:
 
     @property
     def has_kv_slot(self) -> bool:
-        """Room for one more request's state (always, on an unbatched worker)."""
-        return not self.batched or self.held < self.kv_slots
+        """Room for one more request's state."""
+        return self.held < self.kv_slots

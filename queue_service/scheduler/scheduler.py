@@ -76,8 +76,6 @@ class SchedulerConfig:
     max_predicted_wait_s: float = 300.0
     # Suspended states kept per worker (KV memory); the worker also caps bytes itself.
     max_suspended_per_worker: int = 4
-    # Decode estimate, only used to predict when a worker frees up.
-    decode_s_per_token: float = 0.05
     # Refit the prefill predictor from every PrefillFinished.
     refit_predictor: bool = True
     # Relative margin on predicted times until the predictor's own error is known (20
@@ -110,7 +108,6 @@ class SchedulerConfig:
         for name in (
             "starvation_s",
             "max_predicted_wait_s",
-            "decode_s_per_token",
             "default_prediction_margin",
             "timer_resolution_s",
             "progress_decision_interval_s",
@@ -137,9 +134,7 @@ class Scheduler:
         self.prediction_errors = PredictionErrors(
             default_margin=self.config.default_prediction_margin
         )
-        self._estimator = planner.Estimator(
-            self.predictor, self.config.decode_s_per_token, self.prediction_errors
-        )
+        self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
         self._rules = planner.Rules(
             starvation_s=self.config.starvation_s,
             max_preemptions=self.config.max_preemptions,
@@ -247,9 +242,9 @@ class Scheduler:
             req.state = RequestState.DECODING
             req.progress_at_s = now
             worker = self._workers[ev.worker_id]
-            if worker.batched:  # it joins the batch: the worker may prefill the next one
-                packing.leave(req, worker)
-                worker.decoding[req.request_id] = None
+            # It joins the batch: the worker may prefill the next one.
+            packing.leave(req, worker)
+            worker.decoding[req.request_id] = None
         if ev.pack_tokens:
             self._learn_pack(req, ev)
         else:
@@ -338,7 +333,7 @@ class Scheduler:
             return []
         self._worker_seq += 1
         self._workers[ev.worker_id] = WorkerSlot(
-            ev.worker_id, self._worker_seq, kv_slots=max(0, ev.kv_slots)
+            ev.worker_id, self._worker_seq, kv_slots=ev.kv_slots
         )
         return self._schedule(now)
 
@@ -390,15 +385,14 @@ class Scheduler:
         return commands + self._decode_pressure(ranked, workers, now) + self._reconcile_timers(now)
 
     def _waiting_prefills(self) -> list[Request]:
-        """Every live request but the paused decodes of batched workers: those need no prefill
-        and are resumed by ``decode_batch.decode_resumes``."""
+        """Every live request but the paused decodes: those need no prefill and are resumed by
+        ``decode_batch.decode_resumes``."""
         return [r for r in self._requests.values() if not self._paused_decode(r)]
 
     def _paused_decode(self, req: Request) -> bool:
         if not (req.prefilled and req.state is RequestState.SUSPENDED):
             return False
-        worker = self._workers.get(req.worker_id) if req.worker_id else None
-        return worker is not None and worker.batched
+        return req.worker_id in self._workers
 
     def _decode_pressure(self, ranked, workers, now: float) -> list[Command]:
         still_waiting = [r for r in ranked if r.waiting]

@@ -103,6 +103,13 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
         if first is None or first.WhichOneof("event") != "hello" or not first.hello.worker_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "first message must be Hello")
         hello = first.hello
+        if hello.kv_slots < 1:
+            # A worker from before every worker batched (0 meant "unbatched"): the scheduler
+            # has no such worker any more, so it is told, not half-served.
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "worker has no KV slots (an unbatched worker): upgrade it; kv_slots must be >= 1",
+            )
         if hello.worker_id in self.sessions:
             # A reconnect after a silent failure: the old session is gone with its state.
             self._drop(hello.worker_id, "replaced by a new connection")

@@ -70,7 +70,7 @@ def start_worker(
     check: str = WorkerConfig.check,
     extra: list[str] | None = None,
 ) -> ServiceProcess:
-    """``extra``: more command-line arguments (``--kv-slots 4``: a batched worker)."""
+    """``extra``: more command-line arguments (``--kv-slots 4``: four KV slots)."""
     args = python_module(
         "worker.process",
         "--queue-service",

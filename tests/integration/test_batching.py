@@ -1,5 +1,5 @@
 """Batched workers through the real services: real Kafka, a real queue service process and a
-real batched worker process (``--kv-slots``) on tiny-llama.
+real worker process (batched, as every worker is; ``--kv-slots`` sized) on tiny-llama.
 
 Each client stream must hold each token once, in order, equal to the model's own greedy
 continuation of that prompt alone; several requests must decode in the same steps on one

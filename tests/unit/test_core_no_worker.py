@@ -54,7 +54,7 @@ def test_a_request_with_no_worker_is_told_so_then_fails_unavailable_without_runn
         assert "no worker attached for 31 s" in error.message
         assert "r" not in core.live and finished == ["offset-of-r"]
         worker = RecordedWorker(core)
-        core.worker_joined("w1", worker)
+        core.worker_joined("w1", worker, kv_slots=4)
         assert worker.commands == []  # it was not run later either
 
     asyncio.run(scenario())
@@ -68,7 +68,7 @@ def test_a_worker_that_attaches_in_time_runs_it_and_the_last_one_leaving_warns_a
         assert [e.WhichOneof("event") for e in drain(client)] == ["waiting"]
         clock.now += 20
         w1 = RecordedWorker(core)
-        core.worker_joined("w1", w1)
+        core.worker_joined("w1", w1, kv_slots=4)
         assert w1.commands == [("assign", "r")]
         report(core, "w1", **first_token("r", 7))
         core.worker_left("w1")  # the only worker dies: back in the queue, and told again
@@ -76,7 +76,7 @@ def test_a_worker_that_attaches_in_time_runs_it_and_the_last_one_leaving_warns_a
         clock.now += 29  # counted from the warning, not from the arrival
         core.expire_unattended()
         assert "r" in core.live
-        core.worker_joined("w2", RecordedWorker(core))
+        core.worker_joined("w2", RecordedWorker(core), kv_slots=4)
         clock.now += 100
         core.expire_unattended()
         assert "r" in core.live  # a worker is attached: nothing expires

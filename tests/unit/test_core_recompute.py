@@ -75,6 +75,12 @@ def token(rid: str, token: int, index: int) -> dict:
     return {"token": worker_pb2.WorkerToken(request_id=rid, token_id=token, index=index)}
 
 
+def step(*rows: tuple[str, int, int]) -> dict:
+    """One decode step: (request id, token, index) per row."""
+    tokens = [worker_pb2.WorkerToken(request_id=r, token_id=t, index=i) for r, t, i in rows]
+    return {"decode_step": worker_pb2.DecodeStep(tokens=tokens)}
+
+
 def done(rid: str, output: list[int]) -> dict:
     return {"done": worker_pb2.WorkerDone(request_id=rid, output_ids=output)}
 
@@ -99,14 +105,14 @@ def test_a_request_whose_worker_died_mid_decode_streams_no_token_twice():
     async def scenario():
         core, finished = make_core()
         w1, w2 = RecordedWorker(core), RecordedWorker(core)
-        core.worker_joined("w1", w1)
+        core.worker_joined("w1", w1, kv_slots=4)
         client = deliver(core, "r")
         assert w1.commands == [("assign", "r")]
         report(core, "w1", **first_token("r", 7))
         report(core, "w1", **token("r", 8, 1))
         report(core, "w1", **token("r", 9, 2))
         core.worker_left("w1")  # killed mid-decode
-        core.worker_joined("w2", w2)
+        core.worker_joined("w2", w2, kv_slots=4)
         assert w2.commands == [("assign", "r")]  # runs again from token 0...
         report(core, "w2", **first_token("r", 7))
         for index, tok in enumerate([8, 9, 10, 11, 12], start=1):
@@ -127,12 +133,12 @@ def test_a_request_whose_worker_died_after_its_last_token_is_completed_not_run_a
     async def scenario():
         core, finished = make_core()
         w1, w2 = RecordedWorker(core), RecordedWorker(core)
-        core.worker_joined("w1", w1)
+        core.worker_joined("w1", w1, kv_slots=4)
         client = deliver(core, "eos", max_new_tokens=6)
         report(core, "w1", **first_token("eos", 7))
         report(core, "w1", **token("eos", EOS, 1))  # the end, but Done never came
         core.worker_left("w1")
-        core.worker_joined("w2", w2)
+        core.worker_joined("w2", w2, kv_slots=4)
         assert w2.commands == []
         events = drain(client)
         assert streamed_tokens(events) == [7, EOS]
@@ -147,22 +153,24 @@ def test_a_decoding_request_dropped_for_recompute_streams_no_token_or_progress_a
     async def scenario():
         core, _ = make_core()
         w1 = RecordedWorker(core)
-        core.worker_joined("w1", w1)
-        client = deliver(core, "d", max_new_tokens=500)  # long: a critical one preempts it
+        core.worker_joined("w1", w1, kv_slots=1)  # one slot: a newcomer needs d's
+        client = deliver(core, "d", max_new_tokens=500)
         report(core, "w1", **first_token("d", 7))
-        report(core, "w1", **token("d", 8, 1))
-        # A critical request takes the worker; the preempted decode's state is dropped (the
-        # worker's memory cap)...
+        report(core, "w1", **step(("d", 8, 1)))
+        # A critical request needs the only KV slot: the decoding lower-tier request's state
+        # is dropped for it...
         deliver(core, "c", tier="critical", max_new_tokens=1)
-        assert w1.commands[-1] == ("preempt", "d")
+        assert w1.commands[-1] == ("pause_decode", "d")
         report(core, "w1", preempted=worker_pb2.Preempted(request_id="d", state_dropped=True))
         assert w1.commands[-1] == ("assign", "c")
         report(core, "w1", **first_token("c", 5))
         report(core, "w1", **done("c", [5]))
         assert w1.commands[-1] == ("assign", "d")  # ...so it is recomputed
-        # The worker recomputes its prompt and tokens (progress) and continues decoding.
+        # The worker recomputes its prompt and tokens (progress), rejoins and decodes on.
         report(core, "w1", progress=worker_pb2.Progress(request_id="d", tokens_done=4))
-        report(core, "w1", **token("d", 9, 2))
+        rejoined = worker_pb2.DecodeRejoined(request_id="d", recomputed_tokens=5)
+        report(core, "w1", decode_rejoined=rejoined)
+        report(core, "w1", **step(("d", 9, 2)))
         report(core, "w1", **done("d", [7, 8, 9]))
         events = drain(client)
         kinds = [e.WhichOneof("event") for e in events]

@@ -2,6 +2,8 @@
 
 Preemptions are triggered through the real PreemptionChannel by forward hooks that raise the
 signal after the n-th operator, so every stop happens at a real boundary of the real loop.
+A run prefills up to the first token; decoding is the batched engine's (``BatchEngine``), the
+only decode there is, so the tests that decode use it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from tests.attention import ATTENTION, model_with_attention
 from tests.engine_hooks import StopAfter
+from worker.batch_engine import BatchEngine
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
@@ -49,6 +52,23 @@ def run_to_end(engine, task, channel, recorder):
         preemptions += 1
     assert outcome.status is RunStatus.FINISHED
     return preemptions
+
+
+def prefill_to_end(engine, task, channel, recorder) -> int:
+    """Prefill ``task`` up to its first token, resuming after every stop; the stops."""
+    preemptions = 0
+    while (outcome := engine.run(task, channel, recorder)).status is RunStatus.PREEMPTED:
+        assert not outcome.state_dropped
+        preemptions += 1
+    assert outcome.status is RunStatus.PREFILLED
+    return preemptions
+
+
+def decode_until(engine: BatchEngine, task, recorder, n_tokens: int | None = None) -> None:
+    """Join the batch and step until ``task`` has ``n_tokens`` (None: until it finishes)."""
+    engine.join(task)
+    while task.phase is not Phase.FINISHED and len(task.output_ids) != n_tokens:
+        engine.decode_step(recorder)
 
 
 def prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
@@ -168,24 +188,27 @@ def test_greedy_tokens_after_resume_match_generate(request, model_fixture, attn)
         generated = model.generate(
             torch.tensor([ids]), do_sample=False, max_new_tokens=16, min_new_tokens=16
         )[0, len(ids) :].tolist()
-    engine = PrefillEngine(model, EngineConfig(chunk_size=32, check="layer"))
+    engine = BatchEngine(model, EngineConfig(chunk_size=32, check="layer"))
     channel = PreemptionChannel()
-    # Stops in prefill (operators 2 and 7) and in decode (the 14th layer call of decode).
-    n_prefill_ops = len(model.model.layers) * 3
-    trigger = StopAfter(model, channel, {2, 7, n_prefill_ops + 14}, halves=False)
+    # Stops in prefill (operators 2 and 7), and a pause in decode, its KV kept.
+    trigger = StopAfter(model, channel, {2, 7}, halves=False)
     recorder = Recorder()
     task = engine.new_task(GenerationRequest("g", ids, max_new_tokens=16, stop_at_eos=False))
     try:
-        preemptions = run_to_end(engine, task, channel, recorder)
+        preemptions = prefill_to_end(engine, task, channel, recorder)
     finally:
         trigger.remove()
-    assert preemptions == 3
+    decode_until(engine, task, recorder, n_tokens=6)
+    assert engine.pause(task)  # kept: it joins again where it stopped
+    decode_until(engine, task, recorder)
+    assert preemptions == 2 and task.preemptions == 3
     assert recorder.tokens == generated == task.output_ids
     assert task.phase is Phase.FINISHED and task.state is None
+    assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
 
 
 def test_sampling_is_seeded(tiny_llama):
-    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=None))
+    engine = BatchEngine(tiny_llama.model, EngineConfig(chunk_size=None))
     ids = prompt(20, tiny_llama.model.config.vocab_size, seed=2)
     params = SamplingParams(temperature=1.5, top_p=0.9, seed=42)
 
@@ -193,7 +216,8 @@ def test_sampling_is_seeded(tiny_llama):
         task = engine.new_task(
             GenerationRequest("s", ids, max_new_tokens=12, sampling=seed_params, stop_at_eos=False)
         )
-        engine.run(task, PreemptionChannel())
+        engine.prefill(task, PreemptionChannel())
+        decode_until(engine, task, Recorder())
         return task.output_ids
 
     assert sample_once(params) == sample_once(params)
@@ -241,28 +265,27 @@ def test_decode_dropped_for_recompute_emits_each_token_once_and_continues_exactl
             GenerationRequest("k", ids, max_new_tokens=12, sampling=sampling, stop_at_eos=False)
         )
 
-    uninterrupted = new_task(PrefillEngine(model, EngineConfig(chunk_size=16)))
-    PrefillEngine(model, EngineConfig(chunk_size=16)).run(uninterrupted, PreemptionChannel())
-    # A cap of one byte: every preemption drops the state.
-    engine = PrefillEngine(model, EngineConfig(chunk_size=16, check="layer", memory_cap_bytes=1))
+    reference = BatchEngine(model, EngineConfig(chunk_size=16))
+    uninterrupted = new_task(reference)
+    reference.prefill(uninterrupted, PreemptionChannel())
+    decode_until(reference, uninterrupted, Recorder())
+    # A cap of one byte: a pause that keeps the state is over it and drops it too.
+    engine = BatchEngine(model, EngineConfig(chunk_size=16, check="layer", memory_cap_bytes=1))
     channel = PreemptionChannel()
-    # 4 layers: the prefill is 12 layer calls, each decode step 4. Raised during the 2nd decode
-    # step (taken before the 3rd), then during the 5th step after the 12-call recompute.
-    trigger = StopAfter(model, channel, {12 + 5, 12 + 8 + 12 + 20}, halves=False)
     recorder = Recorder()
     task = new_task(engine)
-    dropped_with = []
-    try:
-        while (outcome := engine.run(task, channel, recorder)).status is RunStatus.PREEMPTED:
-            assert outcome.state_dropped
-            assert task.state is None and task.phase is Phase.QUEUED
-            dropped_with.append(len(task.output_ids))
-    finally:
-        trigger.remove()
-    assert outcome.status is RunStatus.FINISHED
-    assert dropped_with == [3, 8] and task.recomputes == 2
+    assert engine.prefill(task, channel, recorder).status is RunStatus.PREFILLED
+    for stop_at, drop_state in ((3, True), (8, False)):  # asked to drop; over the cap
+        decode_until(engine, task, recorder, n_tokens=stop_at)
+        assert not engine.pause(task, drop_state=drop_state)
+        assert task.state is None and task.phase is Phase.QUEUED
+        assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
+        # The recompute of its prompt and tokens emits nothing, and it decodes on.
+        assert engine.prefill(task, channel, recorder).status is RunStatus.PREFILLED
+    decode_until(engine, task, recorder)
+    assert task.recomputes == 2
     assert recorder.tokens == uninterrupted.output_ids == task.output_ids  # once each, exact
-    assert engine.suspended_bytes == 0
+    assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
 
 
 def test_drop_signal_recomputes_even_under_the_cap(tiny_llama):

@@ -13,7 +13,8 @@ from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.scheduler import PrefillTimePredictor, Scheduler, make_policy
 from queue_service.scheduler.policies import ABLATIONS
 from tierflow.tiers import TierPolicy, TierTable
-from worker.engine import EngineConfig, PrefillEngine
+from worker.batch_engine import BatchEngine
+from worker.config import BatchConfig, EngineConfig
 
 TIERS = TierTable(
     [
@@ -25,12 +26,13 @@ TIERS = TierTable(
 
 
 class SlowLayers:
-    """Makes every decoder layer take at least ``seconds`` (sleeping releases the GIL), so a
-    tiny model's prefill lasts long enough for an arrival to land inside it on any machine."""
+    """Makes every decoder layer of a prefill take at least ``seconds`` (sleeping releases the
+    GIL), so a tiny model's prefill lasts long enough for an arrival to land inside it on any
+    machine. On its attention: a prefill with a decode slotter runs a layer as its halves."""
 
     def __init__(self, model, seconds: float) -> None:
         self.handles = [
-            layer.register_forward_pre_hook(lambda m, a: time.sleep(seconds))
+            layer.self_attn.register_forward_pre_hook(lambda m, a: time.sleep(seconds))
             for layer in model.model.layers
         ]
 
@@ -64,7 +66,7 @@ def test_critical_preempts_a_long_batch_prefill_which_then_finishes_exactly(tiny
     # SLO by waiting, so flowprefill must preempt.
     predictor = PrefillTimePredictor(a=10.0 / 1500, b=0.0, c=0.0)
     scheduler = Scheduler(make_policy("flowprefill"), TIERS, predictor)
-    engine = PrefillEngine(model, EngineConfig(chunk_size=256, check="layer"))
+    engine = BatchEngine(model, EngineConfig(chunk_size=256, check="layer"))
     slow, tap = SlowLayers(model, 0.03), LogitsTap(model)  # batch prefill ~0.7 s
     try:
         result = run_policy(scheduler, [engine], workload, vocab_size=vocab)
@@ -105,7 +107,7 @@ def test_every_policy_completes_a_mixed_workload_in_the_order_it_promises(tiny_l
         for i in range(12)
     )
     p = make_policy(policy)
-    engine = PrefillEngine(model, EngineConfig(chunk_size=64, check=p.engine_check))
+    engine = BatchEngine(model, EngineConfig(chunk_size=64, check=p.engine_check))
     slow = SlowLayers(model, LAYER_DELAY_S)
     try:
         result = run_policy(
@@ -139,9 +141,6 @@ def test_every_policy_completes_a_mixed_workload_in_the_order_it_promises(tiny_l
 
 @pytest.mark.parametrize("policy", ["fifo", "flowprefill"])
 def test_a_batched_worker_decodes_requests_together_and_streams_each_token_once(tiny_llama, policy):
-    from worker.batch_engine import BatchEngine
-    from worker.config import BatchConfig
-
     model = tiny_llama.model
     tiers = TierTable(
         [

@@ -1,4 +1,5 @@
-"""EngineRunner: the engine on its own thread, driven from another thread as the scheduler does."""
+"""The runner configured as a single-request worker (one KV slot, a batch of one): the engine on
+its own thread, driven from another thread as the scheduler does."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import threading
 import pytest
 import torch
 
-from worker.engine import EngineConfig, PrefillEngine
+from worker.batch_engine import BatchEngine
+from worker.batch_runner import BatchRunner
+from worker.config import BatchConfig, EngineConfig
 from worker.events import Cancelled, Failed, Finished, FirstToken, Preempted, Progress
 from worker.request import GenerationRequest
-from worker.runner import EngineRunner
 
 
 class Gate:
@@ -44,8 +46,12 @@ def runner(tiny_llama):
         events.put(event)
         gate(event)
 
-    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=16, check="layer"))
-    r = EngineRunner(engine, emit).start()
+    engine = BatchEngine(
+        tiny_llama.model,
+        EngineConfig(chunk_size=16, check="layer"),
+        BatchConfig(max_batch_size=1, pool_slots=1),
+    )
+    r = BatchRunner(engine, emit).start()
     r.events, r.gate = events, gate
     yield r
     gate.release.set()
@@ -85,16 +91,17 @@ def test_preempt_from_another_thread_then_resume_finishes_exactly(runner, tiny_l
     assert first.token_id == expected and first.prefill_busy_s > 0
     done = next_event(runner, Finished)
     assert done.preemptions == 1 and done.output_ids == (expected,)
-    assert runner.suspended_bytes == 0
+    assert runner.suspended_bytes == 0 and runner.engine.pool.used_slots == 0
 
 
-def test_preempt_of_a_request_that_is_not_running_is_refused(runner):
-    assert not runner.preempt("nobody")
-    runner.assign(GenerationRequest("b", ids(20, 2)))
+def test_a_preempt_of_a_request_that_is_not_running_never_stops_the_next_one(runner):
+    runner.preempt("nobody")  # ignored by the engine thread
+    runner.assign(GenerationRequest("b", ids(20, 2), max_new_tokens=4))
     next_event(runner, Finished)
-    assert not runner.preempt("b")  # finished: no stale signal may reach the next request
-    runner.assign(GenerationRequest("c", ids(20, 3)))
-    assert next_event(runner, Finished).request_id == "c"
+    runner.preempt("b")  # finished: no stale signal may reach the next request
+    runner.assign(GenerationRequest("c", ids(20, 3), max_new_tokens=4))
+    done = next_event(runner, Finished)
+    assert done.request_id == "c" and done.preemptions == 0 and len(done.output_ids) == 4
 
 
 def test_cancel_suspended_and_running(runner):
@@ -127,14 +134,14 @@ def test_cancel_landing_between_a_preemption_stop_and_the_runner_is_not_lost(run
     """The engine stopped for a preemption; a cancel arrives before the runner has cleared the
     channel (it still sees the request as running). The request must end cancelled, not
     suspended forever."""
-    real_run = runner.engine.run
+    real_prefill = runner.engine.prefill
 
-    def run_then_cancel(task, channel, listener):
-        outcome = real_run(task, channel, listener)
+    def prefill_then_cancel(task, channel, listener, between_layers):
+        outcome = real_prefill(task, channel, listener, between_layers)
         runner.cancel(task.request_id)  # exactly in the window
         return outcome
 
-    runner.engine.run = run_then_cancel
+    runner.engine.prefill = prefill_then_cancel
     runner.gate.hold("late")
     runner.assign(GenerationRequest("late", ids(300, 7)))
     pause_mid_prefill(runner, "late")
@@ -142,3 +149,30 @@ def test_cancel_landing_between_a_preemption_stop_and_the_runner_is_not_lost(run
     runner.gate.release.set()
     assert next_event(runner, Cancelled).request_id == "late"
     assert runner.suspended_bytes == 0 and runner.running_request_id is None
+    assert runner.engine.pool.used_slots == 0
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_a_single_request_worker_decodes_as_generate_does_through_the_models_layers(
+    request, model_fixture
+):
+    """A batch of one decodes through the model's own layers (no fused or packed copies of
+    the weights, which a larger batch makes: docs/design.md, "The batched engine")."""
+    model = request.getfixturevalue(model_fixture).model
+    events: queue.Queue = queue.Queue()
+    engine = BatchEngine(model, EngineConfig(chunk_size=16), BatchConfig(1, 1))
+    assert engine.decode_layers is None and not engine.fast_decode
+    runner = BatchRunner(engine, events.put).start()
+    prompt = ids(37, 8)
+    try:
+        runner.assign(GenerationRequest("one", prompt, max_new_tokens=10, stop_at_eos=False))
+        while not isinstance(done := events.get(timeout=30), Finished):
+            pass
+    finally:
+        runner.stop()
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10
+        )[0, len(prompt) :].tolist()
+    assert list(done.output_ids) == expected
+    assert engine.pool.allocated_bytes == 0  # an idle worker holds no KV

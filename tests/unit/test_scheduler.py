@@ -39,7 +39,7 @@ TIERS = UNIT_TIERS
 
 def make(policy: str, workers: int = 1, **config) -> Scheduler:
     config.setdefault("refit_predictor", False)
-    config.setdefault("decode_s_per_token", 0.0)
+    config.setdefault("max_pack_size", 1)  # packing has its own tests (test_scheduler_packing)
     sched = Scheduler(
         make_policy(policy),
         TIERS,
@@ -47,7 +47,7 @@ def make(policy: str, workers: int = 1, **config) -> Scheduler:
         SchedulerConfig(**config),
     )
     for i in range(workers):
-        assert step(sched, WorkerJoined(f"w{i}"), 0.0) == []
+        assert step(sched, WorkerJoined(f"w{i}", kv_slots=8), 0.0) == []
     return sched
 
 
@@ -75,7 +75,7 @@ def decisions(commands: list) -> list:
 def drain_order(sched: Scheduler, now: float) -> list[str]:
     """Join one worker to a scheduler with none, finish each assigned request, record order."""
     order = []
-    commands = decisions(sched.handle(WorkerJoined("w0"), now))
+    commands = decisions(sched.handle(WorkerJoined("w0", kv_slots=8), now))
     while commands:
         assert not any(isinstance(c, Preempt) for c in commands), commands
         (assign,) = commands
@@ -274,30 +274,6 @@ def test_flowprefill_does_not_preempt_a_request_with_an_earlier_deadline():
     sched = make("flowprefill")
     arrive(sched, "c1", "critical", 800, 0.0)  # deadline 1.0, 0.8 s of work
     assert arrive(sched, "c2", "critical", 500, 0.1) == []  # would miss, but c1 is more urgent
-
-
-def test_flowprefill_preempts_a_decoding_request_first():
-    sched = make("flowprefill", decode_s_per_token=0.05)
-    arrive(sched, "s", "standard", 100, 0.0, new_tokens=200)  # ~10 s of decode after prefill
-    assert step(sched, PrefillFinished("s", "w0", 100, 0.1), 0.1) == []
-    assert sched.state_of("s") is RequestState.DECODING
-    assert arrive(sched, "c", "critical", 100, 0.2) == [Preempt("s", "w0", drop_state=False)]
-    # The engine acks at its next check; the first token was already out.
-    sched.handle(PreemptionAcked("s", "w0", 100, False), 0.21)
-    assert step(sched, RequestDone("c", "w0"), 0.4) == [Resume("s", "w0")]
-    assert sched.state_of("s") is RequestState.DECODING
-
-
-def test_flowprefill_resumes_a_suspended_decoding_request_before_fresh_lower_tier_work():
-    """A critical answer interrupted by another critical question goes on before a batch
-    document that arrived meanwhile: decoding keeps its tier's urgency."""
-    sched = make("flowprefill", decode_s_per_token=0.05)
-    arrive(sched, "c1", "critical", 50, 0.0, new_tokens=60)  # ~3 s of decode
-    sched.handle(PrefillFinished("c1", "w0", 50, 0.05), 0.05)
-    assert arrive(sched, "c2", "critical", 50, 0.1) == [Preempt("c1", "w0", drop_state=False)]
-    sched.handle(PreemptionAcked("c1", "w0", 50, False), 0.11)
-    assert arrive(sched, "b1", "batch", 3000, 0.12) == []  # waits: the worker is busy
-    assert step(sched, RequestDone("c2", "w0"), 0.3) == [Resume("c1", "w0")]
 
 
 def test_a_worker_being_preempted_is_not_preempted_again():
@@ -499,8 +475,8 @@ def test_worker_left_requeues_its_running_and_suspended_requests_from_scratch():
 def test_worker_joined_takes_queued_work_and_duplicates_are_ignored():
     sched = make("fifo", workers=0)
     arrive(sched, "a", "standard", 100, 0.0)
-    assert step(sched, WorkerJoined("w0"), 1.0) == [Assign("a", "w0")]
-    assert step(sched, WorkerJoined("w0"), 1.1) == []
+    assert step(sched, WorkerJoined("w0", kv_slots=8), 1.0) == [Assign("a", "w0")]
+    assert step(sched, WorkerJoined("w0", kv_slots=8), 1.1) == []
     assert sched.running() == {"w0": "a"}
 
 
@@ -518,7 +494,7 @@ def test_prefill_finished_refits_the_predictor():
     sched = Scheduler(
         "fifo", TIERS, PrefillTimePredictor(a=1e-3, b=0.0, c=0.0, min_samples=1), SchedulerConfig()
     )
-    sched.handle(WorkerJoined("w0"), 0.0)
+    sched.handle(WorkerJoined("w0", kv_slots=8), 0.0)
     arrive(sched, "a", "standard", 1000, 0.0)
     sched.handle(PrefillFinished("a", "w0", 1000, 4.0), 4.0)  # 4x slower than predicted
     assert sched.predictor.predict(1000) == pytest.approx(4.0)

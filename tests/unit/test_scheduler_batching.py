@@ -30,7 +30,7 @@ def batched(policy: str = "flowprefill", kv_slots: int = 3) -> Scheduler:
         make_policy(policy),
         TIERS,
         PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),  # 1000 tokens = 1 s
-        SchedulerConfig(refit_predictor=False, decode_s_per_token=0.05),
+        SchedulerConfig(refit_predictor=False),
     )
     assert step(sched, WorkerJoined("w0", kv_slots=kv_slots), 0.0) == []
     return sched
@@ -79,7 +79,7 @@ def slotting(kv_slots: int = 4, step_s: float = 0.25) -> Scheduler:
         make_policy("flowprefill"),
         SLOTTED_TIERS,
         PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),  # 1000 tokens = 1 s
-        SchedulerConfig(refit_predictor=False, decode_s_per_token=0.05),
+        SchedulerConfig(refit_predictor=False),
     )
     assert step(sched, WorkerJoined("w0", kv_slots=kv_slots), 0.0) == []
     assert step(sched, DecodeStepDone("w0", rows=2, seconds=step_s), 0.0) == []

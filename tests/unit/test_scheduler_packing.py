@@ -121,21 +121,18 @@ def test_short_prompts_pack_past_a_suspended_prefill_ranked_between_them():
     assert first_token(sched, "s", 1.0, pack_tokens=300, prefill_s=0.3) == [Resume("bg", "w0")]
 
 
-def test_no_pack_without_free_kv_slots_nor_on_an_unbatched_worker():
+def test_no_pack_without_free_kv_slots_nor_on_a_single_slot_worker():
     sched = batched(kv_slots=3)
     busy_with(sched)
     for i, rid in enumerate("abc"):
         assert arrive(sched, rid, "standard", 50, 0.1 + 0.01 * i) == []
     # "long" decodes in one slot: two are left for a and b.
     assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
-    unbatched = Scheduler(
-        make_policy("flowprefill"), TIERS, PrefillTimePredictor(a=1e-3, b=0.0, c=0.0)
-    )
-    assert step(unbatched, WorkerJoined("w0"), 0.0) == []
-    busy_with(unbatched)
-    assert arrive(unbatched, "a", "standard", 50, 0.1) == []
-    assert arrive(unbatched, "b", "standard", 50, 0.1) == []
-    assert step(unbatched, PrefillFinished("long", "w0", 400, 0.4), 0.4) == []  # it decodes
+    single = batched(kv_slots=1)  # one request at a time: the same engine, batch size 1
+    busy_with(single)
+    assert arrive(single, "a", "standard", 50, 0.1) == []
+    assert arrive(single, "b", "standard", 50, 0.1) == []
+    assert first_token(single, "long", 0.4) == []  # it decodes in the only slot
 
 
 def test_a_pack_is_preempted_and_resumed_as_one_unit():

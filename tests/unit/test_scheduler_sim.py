@@ -1,11 +1,13 @@
 """End to end on a fake clock: a fake worker model turns the scheduler's commands into later
 events, and every accepted request must complete, under every policy.
 
-The fake workers follow the engine's contract (worker/engine.py): one request at a time,
-prefill then decode, progress reported per chunk, and a Preempt honoured at the next boundary
-the policy's ``engine_check`` asks for (any layer: a few ms; a chunk end; or never). They assert
-the scheduler's side of the protocol: no Assign or Resume to a busy worker, no Resume without
-the state, no second Preempt while one is pending.
+The fake workers follow the runner's contract (worker/batch_runner.py): one prefill at a time,
+progress reported per chunk, and a Preempt honoured at the next boundary the policy's
+``engine_check`` asks for (any layer: a few ms; a chunk end; or never); past its first token a
+request decodes in the worker's batch, beside the next prefill, until a PauseDecode (or a
+Preempt that came after the prefill's last boundary) takes it out. They assert the scheduler's
+side of the protocol: no Assign or Resume to a busy worker, no Resume without the state, no
+second Preempt while one is pending.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from queue_service.scheduler import (
     Assign,
     Cancel,
     CancelTimer,
+    PauseDecode,
     Preempt,
     PreemptionAcked,
     PrefillFinished,
@@ -60,6 +63,7 @@ class Run:
     started_at: float
     epoch: int
     stopping: bool = False
+    pause_when_prefilled: bool | None = None  # a Preempt after the last boundary: drop_state
 
 
 @dataclass
@@ -67,6 +71,7 @@ class FakeWorker:
     worker_id: str
     run: Run | None = None
     held: dict[str, Job] = field(default_factory=dict)  # suspended states
+    decoding: dict[str, tuple[Job, float, int]] = field(default_factory=dict)  # since, epoch
 
 
 @dataclass
@@ -146,6 +151,10 @@ class FakeCluster:
         return self._prefill_s(job) + job.new_tokens * self.decode_s
 
     def _start(self, worker: FakeWorker, job: Job) -> None:
+        """A prefill run (to its first token), or a paused decode back into the batch."""
+        if job.work_s >= self._prefill_s(job):
+            self._decode(worker, job)
+            return
         assert worker.run is None, f"{worker.worker_id} got work while busy"
         self._epoch += 1
         run = worker.run = Run(job, self.now, self._epoch)
@@ -156,30 +165,39 @@ class FakeCluster:
             event = PrefillProgress(job.request_id, worker.worker_id, k * self.chunk_tokens)
             self._push(self.now + k * chunk_s - w0, ("worker", event, worker.worker_id, run.epoch))
             k += 1
-        if w0 < prefill:
-            event = PrefillFinished(job.request_id, worker.worker_id, job.prompt, prefill)
-            self._push(self.now + prefill - w0, ("worker", event, worker.worker_id, run.epoch))
+        event = PrefillFinished(job.request_id, worker.worker_id, job.prompt, prefill)
+        self._push(self.now + prefill - w0, ("worker", event, worker.worker_id, run.epoch))
+
+    def _decode(self, worker: FakeWorker, job: Job) -> None:
+        """Into the batch: it finishes after its tokens' decode time, whatever else runs."""
+        self._epoch += 1
+        worker.decoding[job.request_id] = (job, self.now, self._epoch)
+        left = self._total_s(job) - job.work_s
         event = RequestDone(job.request_id, worker.worker_id)
-        self._push(
-            self.now + self._total_s(job) - w0, ("worker", event, worker.worker_id, run.epoch)
-        )
+        self._push(self.now + left, ("decode", event, worker.worker_id, self._epoch))
+
+    def _pause(self, worker: FakeWorker, rid: str, drop_state: bool) -> None:
+        """Out of the batch between two steps; acknowledged like a preemption."""
+        job, since, _ = worker.decoding.pop(rid)
+        job.work_s += self.now - since
+        if not drop_state:
+            worker.held[rid] = job
+        ack = PreemptionAcked(rid, worker.worker_id, job.prompt, state_dropped=drop_state)
+        self._push(self.now + self.decode_s, ("ack", ack, worker.worker_id))
 
     def _stop_point(self, run: Run) -> float | None:
-        """Compute done when the engine next checks the flag; None: it never stops."""
+        """Compute done when the engine next checks the flag; None: the prefill ends first."""
         job = run.job
         done = job.work_s + (self.now - run.started_at)
         prefill = self._prefill_s(job)
         if self.check == "none":
             return None
-        if done >= prefill:  # decoding: checked before every token
-            step = self.decode_s
-            stop = prefill + math.ceil((done - prefill) / step - 1e-9) * step
-        elif self.check == "layer":
+        if self.check == "layer":
             stop = done + self.layer_s
-        else:  # chunk ends only; the last chunk ends where decode starts
+        else:  # chunk ends only; the last chunk ends where the first token comes
             step = self.chunk_tokens * self.s_per_token
             stop = min(math.ceil(done / step - 1e-9) * step, prefill)
-        return stop if stop < self._total_s(job) else None  # it would finish first
+        return stop if stop < prefill else None
 
     def _apply(self, command) -> None:
         if isinstance(command, Reject):
@@ -202,14 +220,20 @@ class FakeCluster:
         elif isinstance(command, Resume):
             assert rid in worker.held, f"Resume of {rid} on {worker.worker_id} without its state"
             self._start(worker, worker.held.pop(rid))
+        elif isinstance(command, PauseDecode) or (
+            isinstance(command, Preempt) and rid in worker.decoding
+        ):
+            if rid in worker.decoding:  # else it finished meanwhile: the runner ignores it
+                self._pause(worker, rid, command.drop_state)
         elif isinstance(command, Preempt):
             run = worker.run
             assert run is not None and run.job.request_id == rid, f"Preempt of {rid}: not running"
             assert not run.stopping, f"second Preempt of {rid}"
-            stop = self._stop_point(run)
-            if stop is None:
-                return  # runs to completion: the scheduler gets RequestDone instead
             run.stopping = True
+            stop = self._stop_point(run)
+            if stop is None:  # its first token comes first: then it pauses (the runner's rule)
+                run.pause_when_prefilled = command.drop_state
+                return
             ack = PreemptionAcked(
                 rid,
                 worker.worker_id,
@@ -222,6 +246,7 @@ class FakeCluster:
             if worker.run is not None and worker.run.job.request_id == rid:
                 worker.run = None  # its pending events become stale
             worker.held.pop(rid, None)
+            worker.decoding.pop(rid, None)
         else:
             raise AssertionError(f"unexpected command {command!r}")
 
@@ -246,7 +271,7 @@ class FakeCluster:
                 self._deliver(event)
             elif kind == "join":
                 self.workers[item[1]] = FakeWorker(item[1])
-                self._deliver(WorkerJoined(item[1]))
+                self._deliver(WorkerJoined(item[1], kv_slots=8))
             elif kind == "leave":
                 del self.workers[item[1]]
                 self._deliver(WorkerLeft(item[1]))
@@ -255,8 +280,23 @@ class FakeCluster:
                     del self.timers[item[1]]
                     if self.fire_timers:
                         self._deliver(TimerFired(item[1]))
+            elif kind == "decode":
+                self._decode_done(*item[1:])
+            elif kind == "ack":
+                if item[2] in self.workers:
+                    self._deliver(item[1])
             else:
                 self._worker_event(*item[1:])
+
+    def _decode_done(self, event: RequestDone, wid: str, epoch: int) -> None:
+        worker = self.workers.get(wid)
+        rid = event.request_id
+        if worker is None or worker.decoding.get(rid, (None, 0, None))[2] != epoch:
+            return  # paused, cancelled, or its worker left
+        del worker.decoding[rid]
+        self.records[rid].done = self.now
+        self.records[rid].done_event = self.events + 1
+        self._deliver(event)
 
     def _worker_event(self, event, wid, epoch, stop=None) -> None:
         worker = self.workers.get(wid)
@@ -266,10 +306,13 @@ class FakeCluster:
         if isinstance(event, PrefillFinished):
             record = self.records[rid]
             record.first_token = record.first_token or self.now
-        elif isinstance(event, RequestDone):
-            worker.run = None
-            self.records[rid].done = self.now
-            self.records[rid].done_event = self.events + 1
+            run, worker.run = worker.run, None  # the next prefill may start now
+            run.job.work_s = self._prefill_s(run.job)
+            self._decode(worker, run.job)
+            if run.pause_when_prefilled is not None:
+                self._pause(worker, rid, run.pause_when_prefilled)
+            self._deliver(event)
+            return
         elif isinstance(event, PreemptionAcked):
             job = worker.run.job
             worker.run = None
@@ -293,7 +336,7 @@ class FakeCluster:
         assert self.sched.live_requests() == 0
         assert all(r is None for r in self.sched.running().values())
         assert all(not held for held in self.sched.suspended().values())
-        assert all(not w.held and w.run is None for w in self.workers.values())
+        assert all(not w.held and not w.decoding and w.run is None for w in self.workers.values())
         assert not self.timers, "wake-ups left armed"
         assert self.sched.timers() == {} or not self.fire_timers
 
@@ -304,7 +347,7 @@ class FakeCluster:
 
 
 def scheduler(policy: str, **config) -> Scheduler:
-    config.setdefault("decode_s_per_token", 0.01)
+    config.setdefault("max_pack_size", 1)  # the fake workers prefill one prompt at a time
     return Scheduler(
         make_policy(policy), TIERS, PrefillTimePredictor(1e-3, 0.0, 0.0), SchedulerConfig(**config)
     )

@@ -47,7 +47,9 @@ def test_lower_tier_work_keeps_its_edf_place_when_it_would_miss_and_the_critical
 def test_the_guard_preempts_lower_tier_work_with_an_earlier_deadline():
     sched = make("flowprefill", workers=0)
     arrive(sched, "s", "standard", 1000, 0.0)  # deadline 5.0
-    assert step(sched, WorkerJoined("w0"), 3.5) == [Assign("s", "w0")]  # ends 4.5: on time
+    assert step(sched, WorkerJoined("w0", kv_slots=8), 3.5) == [
+        Assign("s", "w0")
+    ]  # ends 4.5: on time
     # c (deadline 5.1, 0.8 s of work) behind s would end at ~5.3 s with s's 0.4 s left.
     assert arrive(sched, "c", "critical", 800, 4.1) == [Preempt("s", "w0", drop_state=False)]
     # Once s is stopped, c ranks first (no preempt/resume loop), and s resumes after it.
@@ -58,7 +60,9 @@ def test_the_guard_preempts_lower_tier_work_with_an_earlier_deadline():
 def test_lower_tiers_never_stop_a_higher_tiers_prefill():
     sched = make("flowprefill", workers=0)
     arrive(sched, "c", "critical", 800, 4.1)  # deadline 5.1
-    assert step(sched, WorkerJoined("w0"), 4.1) == [Assign("c", "w0")]  # ends 4.9: on time
+    assert step(sched, WorkerJoined("w0", kv_slots=8), 4.1) == [
+        Assign("c", "w0")
+    ]  # ends 4.9: on time
     # A standard request admitted at 0.0 (deadline 5.0) is delivered at 4.2: EDF ranks it
     # first and it would miss behind c, but stopping c would make c miss instead.
     assert step(sched, RequestArrived("s", "standard", 500, arrival_s=0.0), 4.2) == []
@@ -67,7 +71,7 @@ def test_lower_tiers_never_stop_a_higher_tiers_prefill():
 def test_a_wake_up_makes_the_guard_preempt_when_the_prediction_was_wrong():
     sched = make("flowprefill", workers=0)
     step(sched, RequestArrived("s", "standard", 1000, arrival_s=-0.4), 0.0)  # deadline 4.6
-    step(sched, WorkerJoined("w0"), 3.5)  # predicted to end at 4.5 s: 0.1 s to spare
+    step(sched, WorkerJoined("w0", kv_slots=8), 3.5)  # predicted to end at 4.5 s: 0.1 s to spare
     assert arrive(sched, "c", "critical", 200, 4.1) == []  # behind s it ends ~4.8 s: waits
     wake_up = sched.timers()["c"]
     # s has not finished when the wake-up fires: c preempts it.

@@ -45,6 +45,12 @@ class RecordingWorker:
     def cancel(self, request_id: str) -> None:
         self.commands.append(("cancel", request_id))
 
+    def assign_packed(self, request_ids: tuple[str, ...]) -> None:
+        self.commands.append(("assign_packed", ",".join(request_ids)))
+
+    def pause_decode(self, request_id: str, drop_state: bool) -> None:
+        self.commands.append(("pause_decode", request_id))
+
 
 @dataclass
 class RecordingTransport:
@@ -129,7 +135,7 @@ def test_byte_level_tokens_stream_as_whole_characters_never_as_replacement_chars
         # The tokenizer splits some characters over several tokens: alone, they decode to U+FFFD.
         assert any("\ufffd" in tokenizer.decode([i]) for i in output)
         worker = RecordingWorker()
-        core.worker_joined("w1", worker)
+        core.worker_joined("w1", worker, kv_slots=4)
         queue = core.open_client("r1")
         core.on_delivered(record("r1", [5, 6, 7], len(output)), delivery="d1")
         assert worker.commands == [("assign", "r1")]
@@ -151,7 +157,7 @@ def test_a_finished_requests_total_time_stays_what_it_was_when_it_finished():
     async def scenario():
         clock, transport = FakeClock(), RecordingTransport()
         core, _ = make_core(clock, transport)
-        core.worker_joined("w1", RecordingWorker())
+        core.worker_joined("w1", RecordingWorker(), kv_slots=4)
         queue = core.open_client("r1")
         core.on_delivered(record("r1", [5, 6, 7], 2), delivery="d1")
         clock.now += 1.5
@@ -180,7 +186,7 @@ def test_a_client_joining_late_gets_every_token_produced_before_it_as_first_stre
         clock, transport = FakeClock(), RecordingTransport()
         core, tokenizer = make_core(clock, transport)
         output = tokenizer.encode(TEXT, add_special_tokens=False)
-        core.worker_joined("w1", RecordingWorker())
+        core.worker_joined("w1", RecordingWorker(), kv_slots=4)
         # r1 streams to a client from its start, to the end.
         listening = core.open_client("r1")
         core.on_delivered(record("r1", [5, 6, 7], len(output)), delivery="d1")

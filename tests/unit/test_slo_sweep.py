@@ -1,5 +1,6 @@
-"""`--slo-sweep`: the policies that plan by deadlines run again under each configured SLO, and
-the pooled curve takes those reruns in place of judging the main run."""
+"""`--slo-sweep`: every policy runs again under each configured SLO (on the batched engine each
+reads deadlines: packing and decode pauses), and the pooled curve takes those reruns in place
+of judging the main run."""
 
 from dataclasses import dataclass
 
@@ -16,14 +17,6 @@ TIERS = TierTable(
 class Cfg:
     policies: tuple[str, ...]
     slo_multiples: tuple[float, ...]
-    kv_slots: int = 0
-
-
-def test_only_policies_that_read_deadlines_run_again_unless_workers_batch():
-    cfg = Cfg(("fifo", "chunked", "recompute", "flowprefill", "flowprefill-chunk"), (2.0,))
-    assert slo_sweep.policies_to_rerun(cfg) == ("flowprefill", "flowprefill-chunk")
-    batched = Cfg(("fifo", "flowprefill"), (2.0,), kv_slots=8)
-    assert slo_sweep.policies_to_rerun(batched) == ("fifo", "flowprefill")  # packing reads them
 
 
 def test_each_multiple_sets_the_top_tier_slo_and_counts_requests_within_it():
@@ -36,7 +29,7 @@ def test_each_multiple_sets_the_top_tier_slo_and_counts_requests_within_it():
         ttfts = [30.0, 45.0, 400.0] if fast else [60.0, 90.0, 400.0]
         return {"flowprefill": {"tiers": {"critical": {"n": 4, "ttft_samples_ms": ttfts}}}}
 
-    cfg = Cfg(("fifo", "flowprefill"), (1.5, 5.0))
+    cfg = Cfg(("flowprefill",), (1.5, 5.0))
     out = slo_sweep.run(cfg, {"critical": 20.0}, TIERS, run_policies)
     assert [s[:2] for s in seen] == [(0.03, 60.0), (0.1, 60.0)]
     assert all(s[2] == ("flowprefill",) for s in seen)
@@ -45,7 +38,7 @@ def test_each_multiple_sets_the_top_tier_slo_and_counts_requests_within_it():
         {"met": 1, "n": 4},  # 30 ms within 1.5 x 20 ms; the 4th request never finished
         {"met": 2, "n": 4},
     ]
-    assert slo_sweep.run(Cfg(("fifo",), (2.0,)), {"critical": 20.0}, TIERS, run_policies) is None
+    assert slo_sweep.run(Cfg(("flowprefill",), ()), {"critical": 20.0}, TIERS, run_policies) is None
 
 
 def test_the_curve_takes_reruns_where_there_are_some_and_judges_the_rest():

@@ -31,8 +31,8 @@ import torch
 from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker import wire
 from worker.backoff import Backoff
-from worker.config import WorkerConfig
-from worker.engine import EngineConfig, PrefillEngine
+from worker.batch_engine import BatchEngine
+from worker.config import BatchConfig, EngineConfig, WorkerConfig
 from worker.events import Preempted
 from worker.process import WorkerProcess
 from worker.request import InvalidRequestError
@@ -153,9 +153,10 @@ def queue_service():
 
 class LayerGate:
     """Once armed, holds the engine thread in the pre-hook of one decoder layer's attention
-    (called once a layer, whether the engine runs whole layers or a chunk's halves in one
-    block each) until the preemption flag is raised or ``release`` is set. Sleeping there
-    releases the GIL, so the control thread keeps receiving commands meanwhile."""
+    (called once a layer: a prefill runs a layer as its halves, in one row block each for
+    these short chunks; decode steps run their own fused layers) until the preemption flag is
+    raised or ``release`` is set. Sleeping there releases the GIL, so the control thread keeps
+    receiving commands meanwhile."""
 
     def __init__(self, layers: torch.nn.ModuleList, worker: WorkerProcess) -> None:
         self._worker = worker
@@ -265,6 +266,7 @@ def test_hello_first_then_assign_streams_progress_first_token_and_done(
         "float32",
     )
     assert (hello.body.num_layers, hello.body.chunk_size, hello.body.check) == (4, 16, "block")
+    assert (hello.body.kv_slots, hello.body.max_batch_size) == (24, 16)  # batched by default
     ids = prompt(40, 1)
     expected = greedy_first_token(tiny_llama, ids)
 
@@ -284,16 +286,18 @@ def test_hello_first_then_assign_streams_progress_first_token_and_done(
         "progress",
         "progress",
         "first_token",
-        "token",
-        "token",
+        "decode_step",
+        "decode_step",
         "done",
     ]
     assert [r.body.tokens_done for r in seen[:2]] == [16, 32]
     first, done = seen[2].body, seen[-1].body
     assert first.token_id == expected and first.prompt_tokens == 40 and first.prefill_busy_ms > 0
-    assert list(done.output_ids) == [expected, seen[3].body.token_id, seen[4].body.token_id]
+    steps = [r.body.tokens for r in seen[3:5]]
+    assert [[(t.request_id, t.index) for t in step] for step in steps] == [[("a", 1)], [("a", 2)]]
+    assert list(done.output_ids) == [expected, steps[0][0].token_id, steps[1][0].token_id]
     assert done.busy_ms > 0 and done.preemptions == 0
-    assert all(r.body.request_id == "a" for r in seen)
+    assert all(r.body.request_id == "a" for r in seen if r.kind != "decode_step")
 
 
 def test_preempt_while_running_then_resume_gives_the_uninterrupted_token(
@@ -520,8 +524,8 @@ def until_done(session: FakeSession, names: set[str]) -> list[Received]:
     ("sizes", "message"),
     [
         (dict(kv_slots=2, max_batch_size=0), "max_batch_size must be >= 1"),
-        (dict(kv_slots=-1), "kv_slots must be >= 0"),
-        (dict(max_batch_size=4), "set kv_slots >= 1"),
+        (dict(kv_slots=0), "kv_slots must be >= 1"),
+        (dict(kv_slots=1, max_batch_size=2), "cannot exceed pool_slots"),
         (dict(kv_slots=2, max_batch_size=3), "cannot exceed pool_slots"),
         (dict(kv_slots=2, slot_tokens=0), "slot_tokens must be >= 1"),
     ],
@@ -555,9 +559,12 @@ def test_wire_preempted_latency_and_hello(tiny_llama):
     message = wire.event_message(event).preempted
     assert message.latency_ms == pytest.approx(2.0)
     assert message.resume_point.half == 1 and message.held_bytes == 100
-    engine = PrefillEngine(tiny_llama.model, EngineConfig(chunk_size=None, check="half"))
+    engine = BatchEngine(
+        tiny_llama.model, EngineConfig(chunk_size=None, check="half"), BatchConfig(1, 1)
+    )
     hello = wire.hello("w", "tiny-llama", engine).hello
     assert (hello.chunk_size, hello.check, hello.max_positions) == (0, "half", 4096)
+    assert (hello.kv_slots, hello.max_batch_size, hello.slot_tokens) == (1, 1, 4096)
 
 
 def test_backoff_grows_to_its_cap_with_jitter_and_resets():
