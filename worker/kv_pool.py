@@ -3,8 +3,9 @@
 Every admitted request owns one slot: per layer, a region of positions in one tensor of shape
 ``(slots, num_kv_heads, tokens, head_dim)``. The tensors grow as slots are taken, never ahead
 of need: ``slots`` doubles (up to ``num_slots``) when a request finds none free, ``tokens``
-grows to exactly the largest request held (prompt + new tokens, at most ``slot_tokens``), and
-both go back to nothing when the last slot is freed. So a worker of one slot holds what one
+grows to the largest request held (prompt + new tokens, at most ``slot_tokens``; while slots
+are held it at least doubles, so widenings are few), and both go back to nothing when the last
+slot is freed. So a worker of one slot holds what one
 request needs, as a per-request cache would, and an idle worker holds no KV. Growing means a
 new tensor per layer and a copy of the old one into it (at a request's start, never per step):
 the decode step needs the batch's slots contiguous in one tensor. That copy stalls the engine
@@ -12,8 +13,9 @@ thread for the request that makes the pool grow (on the 2-core machine 0.3-3.5 m
 the grown pool, by its load: docs/design.md); ``preallocate`` allocates the full pool at start
 instead, as it always was before.
 
-Slots, not pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then attends to
-``keys[:B, :, :longest]``, a *view* of the pool, with rows of different lengths masked. Pages
+Slots, not pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then
+attends to ``keys[:B, :, :longest]``, a *view* of the pool, with rows of different lengths
+masked. Pages
 would need a gather of every row's pages into a batch tensor on every step (a copy of all
 caches), which plain ``torch`` attention cannot avoid without a paged kernel. The price of slots
 is internal fragmentation (a slot is sized for the longest request) and a copy of one request's
@@ -140,14 +142,25 @@ class KVPool:
             if self.used_slots >= self.num_slots:
                 raise PoolFullError(f"all {self.num_slots} KV slots are in use")
             grown = min(self.num_slots, max(1, 2 * self.slots_allocated))
-            self._resize(grown, max(tokens, self.tokens_allocated))
+            self._resize(grown, self._tokens_for(tokens))
             slot = self._highest_free()
             assert slot is not None
         elif tokens > self.tokens_allocated:
-            self._resize(self.slots_allocated, tokens)
+            self._resize(self.slots_allocated, self._tokens_for(tokens))
         cache = SlotCache(self, slot, owner, tokens)
         self._caches[slot] = cache
         return cache
+
+    def _tokens_for(self, tokens: int) -> int:
+        """The width to hold ``tokens``: at least double the current one when slots are held
+        (each widening copies the whole pool and stalls the engine, so they are few: a
+        logarithmic number over a worker's life), exactly ``tokens`` from empty (a fresh
+        allocation copies nothing)."""
+        if tokens <= self.tokens_allocated:
+            return self.tokens_allocated
+        if not self.used_slots:
+            return tokens
+        return min(self.slot_tokens, max(tokens, 2 * self.tokens_allocated))
 
     def free(self, cache: SlotCache) -> None:
         if cache.slot >= 0 and self._caches[cache.slot] is cache:

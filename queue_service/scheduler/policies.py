@@ -25,8 +25,9 @@ Policies (docs/design.md, "Scheduling"):
                or, when a waiting request outranks the running one, if it would miss its SLO
                by waiting (predictions inflated by the predictor's observed error), or is
                late already, or its wake-up fired; the engine stops at the next row block,
-               within the preemption budget; state kept. A request that waits on a prediction gets a wake-up at the last moment a
-               preemption still saves it (``latest_start_s``).
+               within the preemption budget; state kept. A request that waits on a prediction
+               gets a wake-up at the last moment a preemption still saves it
+               (``latest_start_s``).
 
 Ablations (``ABLATIONS``, benchmarks only: `tierflow bench --ablations`), each flowprefill or a
 baseline with one part swapped, so that each part of the gain shows on the same arrivals:

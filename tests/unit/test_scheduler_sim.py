@@ -3,9 +3,9 @@ events, and every accepted request must complete, under every policy.
 
 The fake workers follow the runner's contract (worker/batch_runner.py): one prefill at a time,
 progress reported per chunk, and a Preempt honoured at the next boundary the policy's
-``engine_check`` asks for (any layer: a few ms; a chunk end; or never); past its first token a
-request decodes in the worker's batch, beside the next prefill, until a PauseDecode (or a
-Preempt that came after the prefill's last boundary) takes it out. They assert the scheduler's
+``engine_check`` asks for (a row block, half or layer: a few ms; a chunk end; or never); past
+its first token a request decodes in the worker's batch, beside the next prefill, until a
+PauseDecode (or a Preempt that came after the prefill's last boundary) takes it out. They assert the scheduler's
 side of the protocol: no Assign or Resume to a busy worker, no Resume without the state, no
 second Preempt while one is pending.
 """
@@ -192,7 +192,7 @@ class FakeCluster:
         prefill = self._prefill_s(job)
         if self.check == "none":
             return None
-        if self.check == "layer":
+        if self.check in ("block", "half", "layer"):  # a layer here (4 ms) fits the budget
             stop = done + self.layer_s
         else:  # chunk ends only; the last chunk ends where the first token comes
             step = self.chunk_tokens * self.s_per_token
