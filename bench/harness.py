@@ -234,7 +234,11 @@ class _Run:
         for worker_id, runner in self.runners.items():
             runner.start()
             handle = InProcessWorker(runner, self.request, self.tbt_slo_s)
-            self.dispatcher.worker_joined(worker_id, handle, runner.engine.pool.num_slots)
+            engine = runner.engine.config
+            budget_ms = engine.preempt_budget_ms if engine.check == "block" else None
+            self.dispatcher.worker_joined(
+                worker_id, handle, runner.engine.pool.num_slots, (budget_ms or 0) / 1000
+            )
         while self.unfinished > 0:
             try:
                 worker_id, event = self.events.get(timeout=self._timeout(max_idle_s))

@@ -171,6 +171,7 @@ def hello(worker_id: str, model_name: str, engine: BatchEngine) -> worker_pb2.Wo
             kv_slots=engine.pool.num_slots,
             max_batch_size=engine.batch_config.max_batch_size,
             slot_tokens=engine.pool.slot_tokens,
+            preempt_budget_ms=(config.preempt_budget_ms or 0) if config.check == "block" else 0,
         )
     )
 

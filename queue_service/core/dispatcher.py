@@ -117,11 +117,13 @@ class Dispatcher:
         self.stats.events += 1
         self.apply(commands)
 
-    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int) -> None:
+    def worker_joined(
+        self, worker_id: str, handle: WorkerHandle, kv_slots: int, interruption_s: float = 0.0
+    ) -> None:
         """A worker with ``kv_slots`` KV slots (>= 1; its decode batch does not hold its
-        prefill)."""
+        prefill) that stops a prefill within ``interruption_s`` (0: not bounded in time)."""
         self.handles[worker_id] = handle
-        self.handle(WorkerJoined(worker_id, kv_slots))
+        self.handle(WorkerJoined(worker_id, kv_slots, interruption_s))
 
     def worker_left(self, worker_id: str) -> None:
         """The worker and every state it held are gone; its requests are placed again."""

@@ -228,11 +228,14 @@ class ServiceCore:
     def workers(self) -> frozenset[str]:
         return frozenset(self.dispatcher.handles)
 
-    def worker_joined(self, worker_id: str, handle: WorkerHandle, kv_slots: int) -> None:
-        """A worker with ``kv_slots`` KV slots (its Hello said so; >= 1)."""
+    def worker_joined(
+        self, worker_id: str, handle: WorkerHandle, kv_slots: int, interruption_s: float = 0.0
+    ) -> None:
+        """A worker with ``kv_slots`` KV slots (its Hello said so; >= 1) that stops a prefill
+        within ``interruption_s`` (its preemption budget; 0: not bounded in time)."""
         for live in self.live.values():
             live.unattended_since = None
-        self.dispatcher.worker_joined(worker_id, handle, kv_slots)
+        self.dispatcher.worker_joined(worker_id, handle, kv_slots, interruption_s)
 
     def worker_left(self, worker_id: str) -> None:
         if worker_id not in self.dispatcher.handles:

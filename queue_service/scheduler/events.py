@@ -121,6 +121,10 @@ class WorkerJoined:
 
     worker_id: str
     kv_slots: int
+    # Its preemption budget: the longest a Preempt waits for the running prefill's next
+    # interruption point (0: not bounded in time). What the scheduler assumes a preemption
+    # takes until it has measured some.
+    interruption_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_slots < 1:

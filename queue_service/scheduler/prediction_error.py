@@ -77,11 +77,19 @@ class PredictionErrors:
 
 class SwitchTime:
     """Observed preemption latencies (Preempt received -> engine stopped), and their p95: how
-    long a preemption takes to act, about one layer. 0 before the first one."""
+    long a preemption takes to act, within a worker's preemption budget. Before the first one,
+    the largest budget a worker announced (0 when none did)."""
 
     def __init__(self, window: int = 64) -> None:
         self._samples: deque[float] = deque(maxlen=window)
         self._p95: float | None = None  # cached until the next observation
+        self._expected = 0.0
+
+    def expect(self, budget_s: float) -> None:
+        """A worker stops its prefills within ``budget_s``: the assumption until measured."""
+        if math.isfinite(budget_s) and budget_s > self._expected:
+            self._expected = budget_s
+            self._p95 = None
 
     def observe(self, latency_s: float) -> None:
         if math.isfinite(latency_s) and latency_s > 0:
@@ -91,5 +99,5 @@ class SwitchTime:
     def p95(self) -> float:
         if self._p95 is None:
             samples = np.fromiter(self._samples, float)
-            self._p95 = float(np.quantile(samples, 0.95)) if len(samples) else 0.0
+            self._p95 = float(np.quantile(samples, 0.95)) if len(samples) else self._expected
         return self._p95

@@ -335,6 +335,7 @@ class Scheduler:
         self._workers[ev.worker_id] = WorkerSlot(
             ev.worker_id, self._worker_seq, kv_slots=ev.kv_slots
         )
+        self._estimator.switch.expect(ev.interruption_s)
         return self._schedule(now)
 
     def _on_worker_left(self, ev: WorkerLeft, now: float) -> list[Command]:

@@ -128,7 +128,8 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
         reader = asyncio.create_task(self._read(session, request_iterator))
         try:
             handle = RemoteWorker(session.outbox, self.core)
-            self.core.worker_joined(hello.worker_id, handle, hello.kv_slots)
+            budget_s = hello.preempt_budget_ms / 1000
+            self.core.worker_joined(hello.worker_id, handle, hello.kv_slots, budget_s)
             while True:
                 message = await session.outbox.get()
                 if message is _CLOSE:

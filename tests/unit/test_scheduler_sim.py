@@ -5,9 +5,9 @@ The fake workers follow the runner's contract (worker/batch_runner.py): one pref
 progress reported per chunk, and a Preempt honoured at the next boundary the policy's
 ``engine_check`` asks for (a row block, half or layer: a few ms; a chunk end; or never); past
 its first token a request decodes in the worker's batch, beside the next prefill, until a
-PauseDecode (or a Preempt that came after the prefill's last boundary) takes it out. They assert the scheduler's
-side of the protocol: no Assign or Resume to a busy worker, no Resume without the state, no
-second Preempt while one is pending.
+PauseDecode (or a Preempt that came after the prefill's last boundary) takes it out. They
+assert the scheduler's side of the protocol: no Assign or Resume to a busy worker, no Resume
+without the state, no second Preempt while one is pending.
 """
 
 from __future__ import annotations

@@ -267,6 +267,7 @@ def test_hello_first_then_assign_streams_progress_first_token_and_done(
     )
     assert (hello.body.num_layers, hello.body.chunk_size, hello.body.check) == (4, 16, "block")
     assert (hello.body.kv_slots, hello.body.max_batch_size) == (24, 16)  # batched by default
+    assert hello.body.preempt_budget_ms == EngineConfig.preempt_budget_ms  # stops within it
     ids = prompt(40, 1)
     expected = greedy_first_token(tiny_llama, ids)
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tierflow.v1 import serving_pb2 as tierflow_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierflow/v1/worker.proto\x12\x0btierflow.v1\x1a\x19tierflow/v1/serving.proto\"\x9f\x01\n\x06\x41ssign\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x13\n\x0bstop_at_eos\x18\x05 \x01(\x08\x12\x11\n\ttbt_slo_s\x18\x06 \x01(\x01\"4\n\x0c\x41ssignPacked\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.tierflow.v1.Assign\"5\n\x0bPauseDecode\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndrop_state\x18\x02 \x01(\x08\"1\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndrop_state\x18\x02 \x01(\x08\"\x1c\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\xc4\x02\n\x0e\x43ontrolMessage\x12%\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x13.tierflow.v1.AssignH\x00\x12\'\n\x07preempt\x18\x02 \x01(\x0b\x32\x14.tierflow.v1.PreemptH\x00\x12%\n\x06resume\x18\x03 \x01(\x0b\x32\x13.tierflow.v1.ResumeH\x00\x12%\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x13.tierflow.v1.CancelH\x00\x12#\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x12.tierflow.v1.DrainH\x00\x12\x32\n\rassign_packed\x18\x06 \x01(\x0b\x32\x19.tierflow.v1.AssignPackedH\x00\x12\x30\n\x0cpause_decode\x18\x07 \x01(\x0b\x32\x18.tierflow.v1.PauseDecodeH\x00\x42\t\n\x07\x63ommand\"\xef\x01\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\rmax_positions\x18\x06 \x01(\r\x12\x12\n\nchunk_size\x18\x07 \x01(\r\x12\r\n\x05\x63heck\x18\x08 \x01(\t\x12\x18\n\x10memory_cap_bytes\x18\t \x01(\x04\x12\x10\n\x08kv_slots\x18\n \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\r\x12\x13\n\x0bslot_tokens\x18\x0c \x01(\r\"\x86\x01\n\x08Progress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btokens_done\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0blayers_done\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x11\n\tchunk_end\x18\x06 \x01(\r\"N\n\x0bResumePoint\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04half\x18\x03 \x01(\r\x12\x13\n\x0btokens_done\x18\x04 \x01(\r\"\x8e\x01\n\tPreempted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0cresume_point\x18\x02 \x01(\x0b\x32\x18.tierflow.v1.ResumePoint\x12\x12\n\nheld_bytes\x18\x03 \x01(\x04\x12\x15\n\rstate_dropped\x18\x04 \x01(\x08\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"\x90\x01\n\x10WorkerFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x17\n\x0fprefill_busy_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x13\n\x0bpack_tokens\x18\x05 \x01(\r\x12\x11\n\tpack_size\x18\x06 \x01(\r\"B\n\x0bWorkerToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\"X\n\nDecodeStep\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.tierflow.v1.WorkerToken\x12\x0f\n\x07step_ms\x18\x02 \x01(\x01\x12\x0f\n\x07slotted\x18\x03 \x01(\x08\"?\n\x0e\x44\x65\x63odeRejoined\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11recomputed_tokens\x18\x02 \x01(\r\"Z\n\nWorkerDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x62usy_ms\x18\x03 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x04 \x01(\r\"%\n\x0fWorkerCancelled\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cWorkerFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x17\n\x0finvalid_request\x18\x03 \x01(\x08\"@\n\tHeartbeat\x12\x17\n\x0fsuspended_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12running_request_id\x18\x02 \x01(\t\"\x94\x04\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.tierflow.v1.HelloH\x00\x12)\n\x08progress\x18\x02 \x01(\x0b\x32\x15.tierflow.v1.ProgressH\x00\x12+\n\tpreempted\x18\x03 \x01(\x0b\x32\x16.tierflow.v1.PreemptedH\x00\x12\x34\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x1d.tierflow.v1.WorkerFirstTokenH\x00\x12)\n\x05token\x18\x05 \x01(\x0b\x32\x18.tierflow.v1.WorkerTokenH\x00\x12\'\n\x04\x64one\x18\x06 \x01(\x0b\x32\x17.tierflow.v1.WorkerDoneH\x00\x12\x31\n\tcancelled\x18\x07 \x01(\x0b\x32\x1c.tierflow.v1.WorkerCancelledH\x00\x12+\n\x06\x66\x61iled\x18\x08 \x01(\x0b\x32\x19.tierflow.v1.WorkerFailedH\x00\x12+\n\theartbeat\x18\t \x01(\x0b\x32\x16.tierflow.v1.HeartbeatH\x00\x12.\n\x0b\x64\x65\x63ode_step\x18\n \x01(\x0b\x32\x17.tierflow.v1.DecodeStepH\x00\x12\x36\n\x0f\x64\x65\x63ode_rejoined\x18\x0b \x01(\x0b\x32\x1b.tierflow.v1.DecodeRejoinedH\x00\x42\x07\n\x05\x65vent2V\n\rWorkerControl\x12\x45\n\x06\x41ttach\x12\x1a.tierflow.v1.WorkerMessage\x1a\x1b.tierflow.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierflow/v1/worker.proto\x12\x0btierflow.v1\x1a\x19tierflow/v1/serving.proto\"\x9f\x01\n\x06\x41ssign\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x13\n\x0bstop_at_eos\x18\x05 \x01(\x08\x12\x11\n\ttbt_slo_s\x18\x06 \x01(\x01\"4\n\x0c\x41ssignPacked\x12$\n\x07members\x18\x01 \x03(\x0b\x32\x13.tierflow.v1.Assign\"5\n\x0bPauseDecode\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndrop_state\x18\x02 \x01(\x08\"1\n\x07Preempt\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ndrop_state\x18\x02 \x01(\x08\"\x1c\n\x06Resume\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x07\n\x05\x44rain\"\xc4\x02\n\x0e\x43ontrolMessage\x12%\n\x06\x61ssign\x18\x01 \x01(\x0b\x32\x13.tierflow.v1.AssignH\x00\x12\'\n\x07preempt\x18\x02 \x01(\x0b\x32\x14.tierflow.v1.PreemptH\x00\x12%\n\x06resume\x18\x03 \x01(\x0b\x32\x13.tierflow.v1.ResumeH\x00\x12%\n\x06\x63\x61ncel\x18\x04 \x01(\x0b\x32\x13.tierflow.v1.CancelH\x00\x12#\n\x05\x64rain\x18\x05 \x01(\x0b\x32\x12.tierflow.v1.DrainH\x00\x12\x32\n\rassign_packed\x18\x06 \x01(\x0b\x32\x19.tierflow.v1.AssignPackedH\x00\x12\x30\n\x0cpause_decode\x18\x07 \x01(\x0b\x32\x18.tierflow.v1.PauseDecodeH\x00\x42\t\n\x07\x63ommand\"\x8a\x02\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x15\n\rmax_positions\x18\x06 \x01(\r\x12\x12\n\nchunk_size\x18\x07 \x01(\r\x12\r\n\x05\x63heck\x18\x08 \x01(\t\x12\x18\n\x10memory_cap_bytes\x18\t \x01(\x04\x12\x10\n\x08kv_slots\x18\n \x01(\r\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\r\x12\x13\n\x0bslot_tokens\x18\x0c \x01(\r\x12\x19\n\x11preempt_budget_ms\x18\r \x01(\x01\"\x86\x01\n\x08Progress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btokens_done\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0blayers_done\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x11\n\tchunk_end\x18\x06 \x01(\r\"N\n\x0bResumePoint\x12\r\n\x05\x63hunk\x18\x01 \x01(\r\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04half\x18\x03 \x01(\r\x12\x13\n\x0btokens_done\x18\x04 \x01(\r\"\x8e\x01\n\tPreempted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0cresume_point\x18\x02 \x01(\x0b\x32\x18.tierflow.v1.ResumePoint\x12\x12\n\nheld_bytes\x18\x03 \x01(\x04\x12\x15\n\rstate_dropped\x18\x04 \x01(\x08\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"\x90\x01\n\x10WorkerFirstToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x17\n\x0fprefill_busy_ms\x18\x03 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x13\n\x0bpack_tokens\x18\x05 \x01(\r\x12\x11\n\tpack_size\x18\x06 \x01(\r\"B\n\x0bWorkerToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\"X\n\nDecodeStep\x12(\n\x06tokens\x18\x01 \x03(\x0b\x32\x18.tierflow.v1.WorkerToken\x12\x0f\n\x07step_ms\x18\x02 \x01(\x01\x12\x0f\n\x07slotted\x18\x03 \x01(\x08\"?\n\x0e\x44\x65\x63odeRejoined\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11recomputed_tokens\x18\x02 \x01(\r\"Z\n\nWorkerDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\noutput_ids\x18\x02 \x03(\r\x12\x0f\n\x07\x62usy_ms\x18\x03 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x04 \x01(\r\"%\n\x0fWorkerCancelled\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cWorkerFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x17\n\x0finvalid_request\x18\x03 \x01(\x08\"@\n\tHeartbeat\x12\x17\n\x0fsuspended_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12running_request_id\x18\x02 \x01(\t\"\x94\x04\n\rWorkerMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.tierflow.v1.HelloH\x00\x12)\n\x08progress\x18\x02 \x01(\x0b\x32\x15.tierflow.v1.ProgressH\x00\x12+\n\tpreempted\x18\x03 \x01(\x0b\x32\x16.tierflow.v1.PreemptedH\x00\x12\x34\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x1d.tierflow.v1.WorkerFirstTokenH\x00\x12)\n\x05token\x18\x05 \x01(\x0b\x32\x18.tierflow.v1.WorkerTokenH\x00\x12\'\n\x04\x64one\x18\x06 \x01(\x0b\x32\x17.tierflow.v1.WorkerDoneH\x00\x12\x31\n\tcancelled\x18\x07 \x01(\x0b\x32\x1c.tierflow.v1.WorkerCancelledH\x00\x12+\n\x06\x66\x61iled\x18\x08 \x01(\x0b\x32\x19.tierflow.v1.WorkerFailedH\x00\x12+\n\theartbeat\x18\t \x01(\x0b\x32\x16.tierflow.v1.HeartbeatH\x00\x12.\n\x0b\x64\x65\x63ode_step\x18\n \x01(\x0b\x32\x17.tierflow.v1.DecodeStepH\x00\x12\x36\n\x0f\x64\x65\x63ode_rejoined\x18\x0b \x01(\x0b\x32\x1b.tierflow.v1.DecodeRejoinedH\x00\x42\x07\n\x05\x65vent2V\n\rWorkerControl\x12\x45\n\x06\x41ttach\x12\x1a.tierflow.v1.WorkerMessage\x1a\x1b.tierflow.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,31 +49,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTROLMESSAGE']._serialized_start=460
   _globals['_CONTROLMESSAGE']._serialized_end=784
   _globals['_HELLO']._serialized_start=787
-  _globals['_HELLO']._serialized_end=1026
-  _globals['_PROGRESS']._serialized_start=1029
-  _globals['_PROGRESS']._serialized_end=1163
-  _globals['_RESUMEPOINT']._serialized_start=1165
-  _globals['_RESUMEPOINT']._serialized_end=1243
-  _globals['_PREEMPTED']._serialized_start=1246
-  _globals['_PREEMPTED']._serialized_end=1388
-  _globals['_WORKERFIRSTTOKEN']._serialized_start=1391
-  _globals['_WORKERFIRSTTOKEN']._serialized_end=1535
-  _globals['_WORKERTOKEN']._serialized_start=1537
-  _globals['_WORKERTOKEN']._serialized_end=1603
-  _globals['_DECODESTEP']._serialized_start=1605
-  _globals['_DECODESTEP']._serialized_end=1693
-  _globals['_DECODEREJOINED']._serialized_start=1695
-  _globals['_DECODEREJOINED']._serialized_end=1758
-  _globals['_WORKERDONE']._serialized_start=1760
-  _globals['_WORKERDONE']._serialized_end=1850
-  _globals['_WORKERCANCELLED']._serialized_start=1852
-  _globals['_WORKERCANCELLED']._serialized_end=1889
-  _globals['_WORKERFAILED']._serialized_start=1891
-  _globals['_WORKERFAILED']._serialized_end=1965
-  _globals['_HEARTBEAT']._serialized_start=1967
-  _globals['_HEARTBEAT']._serialized_end=2031
-  _globals['_WORKERMESSAGE']._serialized_start=2034
-  _globals['_WORKERMESSAGE']._serialized_end=2566
-  _globals['_WORKERCONTROL']._serialized_start=2568
-  _globals['_WORKERCONTROL']._serialized_end=2654
+  _globals['_HELLO']._serialized_end=1053
+  _globals['_PROGRESS']._serialized_start=1056
+  _globals['_PROGRESS']._serialized_end=1190
+  _globals['_RESUMEPOINT']._serialized_start=1192
+  _globals['_RESUMEPOINT']._serialized_end=1270
+  _globals['_PREEMPTED']._serialized_start=1273
+  _globals['_PREEMPTED']._serialized_end=1415
+  _globals['_WORKERFIRSTTOKEN']._serialized_start=1418
+  _globals['_WORKERFIRSTTOKEN']._serialized_end=1562
+  _globals['_WORKERTOKEN']._serialized_start=1564
+  _globals['_WORKERTOKEN']._serialized_end=1630
+  _globals['_DECODESTEP']._serialized_start=1632
+  _globals['_DECODESTEP']._serialized_end=1720
+  _globals['_DECODEREJOINED']._serialized_start=1722
+  _globals['_DECODEREJOINED']._serialized_end=1785
+  _globals['_WORKERDONE']._serialized_start=1787
+  _globals['_WORKERDONE']._serialized_end=1877
+  _globals['_WORKERCANCELLED']._serialized_start=1879
+  _globals['_WORKERCANCELLED']._serialized_end=1916
+  _globals['_WORKERFAILED']._serialized_start=1918
+  _globals['_WORKERFAILED']._serialized_end=1992
+  _globals['_HEARTBEAT']._serialized_start=1994
+  _globals['_HEARTBEAT']._serialized_end=2058
+  _globals['_WORKERMESSAGE']._serialized_start=2061
+  _globals['_WORKERMESSAGE']._serialized_end=2593
+  _globals['_WORKERCONTROL']._serialized_start=2595
+  _globals['_WORKERCONTROL']._serialized_end=2681
 # @@protoc_insertion_point(module_scope)

@@ -80,7 +80,7 @@ class ControlMessage(_message.Message):
     def __init__(self, assign: _Optional[_Union[Assign, _Mapping]] = ..., preempt: _Optional[_Union[Preempt, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., assign_packed: _Optional[_Union[AssignPacked, _Mapping]] = ..., pause_decode: _Optional[_Union[PauseDecode, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("worker_id", "model", "device", "dtype", "num_layers", "max_positions", "chunk_size", "check", "memory_cap_bytes", "kv_slots", "max_batch_size", "slot_tokens")
+    __slots__ = ("worker_id", "model", "device", "dtype", "num_layers", "max_positions", "chunk_size", "check", "memory_cap_bytes", "kv_slots", "max_batch_size", "slot_tokens", "preempt_budget_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Hello(_message.Message):
     KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SLOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_BUDGET_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     device: str
@@ -105,7 +106,8 @@ class Hello(_message.Message):
     kv_slots: int
     max_batch_size: int
     slot_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., max_positions: _Optional[int] = ..., chunk_size: _Optional[int] = ..., check: _Optional[str] = ..., memory_cap_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slot_tokens: _Optional[int] = ...) -> None: ...
+    preempt_budget_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., max_positions: _Optional[int] = ..., chunk_size: _Optional[int] = ..., check: _Optional[str] = ..., memory_cap_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., slot_tokens: _Optional[int] = ..., preempt_budget_ms: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("request_id", "tokens_done", "prompt_tokens", "layers_done", "num_layers", "chunk_end")
