@@ -6,15 +6,18 @@ from __future__ import annotations
 class StopAfter:
     """Raises the channel's preempt signal after the listed operator calls (1-based).
 
-    ``halves``: count the attention and MLP submodules (the engine calls those with
-    check="half", so a stop can fall inside a layer) instead of whole layers.
+    ``halves``: count the attention and MLP halves (the engine calls those with check="half"
+    or "block", so a stop can fall inside a layer; with row blocks each block is one call)
+    instead of whole layers. An attention call is counted at its output projection, which
+    every path runs once per call: the module's own forward and the engine's unmasked blocks
+    (``worker.block_attention``) alike.
     """
 
     def __init__(self, model, channel, stops, *, halves: bool) -> None:
         self.channel, self.stops, self.calls = channel, set(stops), 0
         modules = []
         for layer in model.model.layers:
-            modules += [layer.self_attn, layer.mlp] if halves else [layer]
+            modules += [layer.self_attn.o_proj, layer.mlp] if halves else [layer]
         self.handles = [m.register_forward_hook(self._hook) for m in modules]
 
     def _hook(self, module, args, output):

@@ -108,7 +108,7 @@ class DecodeLayer:
         """``h``: (B, 1, hidden); ``cos``/``sin``: (B, 1, head_dim); ``mask``: (B, 1, 1, L)."""
         b, d, kv, q = h.shape[0], self.head_dim, self.kv_heads, self.q_heads
         qkv = self.qkv(_rms_norm(h, self.input_norm))
-        qk = _rotate(qkv[..., : (q + kv) * d].view(b, q + kv, d), cos, sin)
+        qk = rotate(qkv[..., : (q + kv) * d].view(b, q + kv, d), cos, sin)
         query = qk[:, :q].view(b, kv, q // kv, d)  # a KV head's query heads as its rows
         keys, values = cache.update(
             qk[:, q:].view(b, kv, 1, d),
@@ -123,7 +123,7 @@ class DecodeLayer:
         return h + self.down(self.act(gate) * up)
 
 
-def _fits(layer: nn.Module) -> bool:
+def llama_shaped(layer: nn.Module) -> bool:
     """A Llama-shaped decoder layer: linear q/k/v/o, gate/up/down MLP, RMSNorms, no q/k norm."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
@@ -141,8 +141,9 @@ def _rms_norm(h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return F.rms_norm(h, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of every head of ``x`` (B, heads, d), as ``apply_rotary_pos_emb``."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of every head of ``x`` (..., d), as ``apply_rotary_pos_emb``; ``cos``
+    and ``sin`` broadcast against it."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -165,7 +166,7 @@ class DecodeLayers:
         attention is SDPA and the norms are RMSNorms. Engines over one model share one."""
         if engine.model in _OF_MODEL:
             return _OF_MODEL[engine.model]
-        if engine.attn_impl != "sdpa" or not all(_fits(layer) for layer in engine.layers):
+        if engine.attn_impl != "sdpa" or not all(llama_shaped(layer) for layer in engine.layers):
             return None
         layers = cls(
             [

@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from worker.block_attention import attend_block, fits_engine
 from worker.config import EngineConfig
 from worker.kv_cache import LayerwiseKVCache
 from worker.memory import SuspendedMemory
@@ -139,6 +140,7 @@ class PrefillEngine:
             else None
         )
         self._block_clock = BlockClock(self.blocks, str(self.device)) if self.blocks else None
+        self._unmasked_blocks = self.blocks is not None and fits_engine(self)
         self.memory = SuspendedMemory(self.config.memory_cap_bytes)
         self.run_ahead = RunAheadLimiter.for_device(
             str(self.device), self.config.max_run_ahead_layers
@@ -357,6 +359,10 @@ class PrefillEngine:
         mask = ctx.masks[layer_type]
 
         def block(a: int, b: int) -> torch.Tensor:
+            if a and mask is None and self._unmasked_blocks:  # a first chunk's later block
+                return attend_block(
+                    layer.self_attn, normed[:, a:b], cos[:, a:b], sin[:, a:b], cache, a
+                )
             out, _ = layer.self_attn(
                 hidden_states=normed[:, a:b],
                 attention_mask=self._block_mask(mask, ctx, layer_type, a, b),

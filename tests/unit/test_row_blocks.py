@@ -211,7 +211,7 @@ def test_a_cancel_between_blocks_stops_there_and_frees_the_slot(tiny_llama):
         if calls == 3:
             channel.cancel()
 
-    handle = model.model.layers[0].self_attn.register_forward_hook(cancel_after_three)
+    handle = model.model.layers[0].self_attn.o_proj.register_forward_hook(cancel_after_three)
     task = engine.new_task(GenerationRequest("c", prompt(40, model.config.vocab_size, 2)))
     try:
         outcome = engine.prefill(task, channel)
@@ -232,3 +232,12 @@ def test_operators_run_whole_without_a_budget_or_a_hook(tiny_llama):
     finally:
         trigger.remove()
     assert trigger.calls == 2 * len(engine.layers)
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+def test_a_first_chunks_later_blocks_attend_without_a_mask_under_sdpa_on_the_cpu(request, attn):
+    """The unmasked path (worker.block_attention) is the one the exactness tests above run for
+    sdpa: a first chunk's blocks after the first, split in two flash calls and merged."""
+    model = model_with_attention(request, "tiny_llama", attn).model
+    engine = engine_for(model, chunk_size=None, check="block", block_rows=5)
+    assert engine._unmasked_blocks is (attn == "sdpa")
