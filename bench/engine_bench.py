@@ -32,7 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench.metrics import mean_interval, percentile
-from bench.report import mark_smoke, write_json
+from bench.report import finish
 from bench.tables import print_table
 from worker.batch_runner import BatchRunner
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
@@ -419,11 +419,7 @@ def plot(result: dict, path: Path) -> None:
 def main(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
     console = Console()
     result = run_engine_bench(cfg, console)
-    render_table(result, console)
-    if cfg.smoke:
-        mark_smoke(result, console)
-    write_json(result, json_path, console)
-    if png_path:
-        plot(result, png_path)
-        console.print(f"wrote {png_path}")
-    return result
+    return finish(
+        result, smoke=cfg.smoke, json_path=json_path, png_path=png_path,
+        render=render_table, plot=plot, console=console,
+    )  # fmt: skip

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.metrics import mean_interval, percentile
-from bench.report import mark_smoke, write_json
+from bench.report import finish
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig
 from worker.engine import RunStatus
@@ -76,7 +76,9 @@ def _request(ids: tuple[int, ...]) -> GenerationRequest:
     return GenerationRequest("bench", ids, max_new_tokens=2)
 
 
-class _FirstLogits:
+class FirstLogits:
+    """An engine listener that keeps the first token's logits."""
+
     logits: torch.Tensor | None = None
 
     def on_chunk_done(self, task, tokens_done):
@@ -94,7 +96,7 @@ class _FirstLogits:
 
 def timed_prefill(engine: BatchEngine, ids: tuple[int, ...]) -> tuple[float, torch.Tensor]:
     """Seconds of one uninterrupted prefill, and its first token's logits."""
-    task, first = engine.new_task(_request(ids)), _FirstLogits()
+    task, first = engine.new_task(_request(ids)), FirstLogits()
     start = time.perf_counter()
     outcome = engine.prefill(task, PreemptionChannel(), first)
     seconds = time.perf_counter() - start
@@ -116,7 +118,7 @@ def interrupted_prefill(
     """One prefill stopped again and again: a flag after a random delay, the stop, an
     immediate resume. Returns the latencies (seconds) and the first-token logits; a flag that
     came after the prefill ended had nothing to stop and is no sample."""
-    task, first, channel = engine.new_task(_request(ids)), _FirstLogits(), PreemptionChannel()
+    task, first, channel = engine.new_task(_request(ids)), FirstLogits(), PreemptionChannel()
     latencies = []
     while True:
         raised_at: list[float] = []
@@ -266,11 +268,7 @@ def plot(result: dict, path: Path) -> None:
 def main(cfg: InterruptionBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
     console = Console()
     result = run_interruption_bench(cfg, console)
-    render_table(result, console)
-    if cfg.smoke:
-        mark_smoke(result, console)
-    write_json(result, json_path, console)
-    if png_path:
-        plot(result, png_path)
-        console.print(f"wrote {png_path}")
-    return result
+    return finish(
+        result, smoke=cfg.smoke, json_path=json_path, png_path=png_path,
+        render=render_table, plot=plot, console=console,
+    )  # fmt: skip

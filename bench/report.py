@@ -31,6 +31,28 @@ def mark_smoke(result: dict, console: Console) -> None:
     console.print(f"[bold red]{SMOKE_NOTE}[/]")
 
 
+def finish(
+    result: dict,
+    *,
+    smoke: bool,
+    json_path: Path | None,
+    png_path: Path | None,
+    render,
+    plot,
+    console: Console,
+) -> dict:
+    """What every engine benchmark ends with: its tables, the smoke note of a quick run, the
+    JSON and the PNG."""
+    render(result, console)
+    if smoke:
+        mark_smoke(result, console)
+    write_json(result, json_path, console)
+    if png_path:
+        plot(result, png_path)
+        console.print(f"wrote {png_path}")
+    return result
+
+
 def write_json(result: dict, path: Path | None, console: Console) -> None:
     if path is None:
         return

@@ -20,36 +20,33 @@ def _engine_bench(args: argparse.Namespace) -> int:
         return _interruption_bench(args)
     from bench.engine_bench import EngineBenchConfig, main
 
-    overrides = {
-        k: v
-        for k, v in {
-            "model": args.model,
-            "device": args.device,
-            "prompt_tokens": args.prompt_tokens,
-            "chunk_size": args.chunk_size,
-        }.items()
-        if v is not None
-    }
+    overrides = _given(
+        model=args.model,
+        device=args.device,
+        prompt_tokens=args.prompt_tokens,
+        chunk_size=args.chunk_size,
+    )
     cfg = EngineBenchConfig.quick(**overrides) if args.quick else EngineBenchConfig(**overrides)
     main(cfg, args.json, args.plot)
     return 0
 
 
+def _given(**options):
+    """The options the command line set (None: left to the config's default)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def _interruption_bench(args: argparse.Namespace) -> int:
     from bench.interruption_bench import InterruptionBenchConfig, main
 
-    overrides = {
-        k: v
-        for k, v in {
-            "model": args.model,
-            "device": args.device,
-            "prompt_tokens": args.prompt_tokens,
-            "budget_ms": args.budget_ms,
-            "latency_samples": args.samples,
-            "slowdown_pairs": args.repeats,
-        }.items()
-        if v is not None
-    }
+    overrides = _given(
+        model=args.model,
+        device=args.device,
+        prompt_tokens=args.prompt_tokens,
+        budget_ms=args.budget_ms,
+        latency_samples=args.samples,
+        slowdown_pairs=args.repeats,
+    )
     quick = InterruptionBenchConfig.quick
     cfg = quick(**overrides) if args.quick else InterruptionBenchConfig(**overrides)
     main(cfg, args.json, args.plot)
@@ -59,18 +56,14 @@ def _interruption_bench(args: argparse.Namespace) -> int:
 def _batch_bench(args: argparse.Namespace) -> int:
     from bench.batch_bench import BatchBenchConfig, main
 
-    overrides = {
-        k: v
-        for k, v in {
-            "model": args.model,
-            "device": args.device,
-            "prefill_tokens": args.prompt_tokens,
-            "prefill_chunk": args.chunk_size,
-            "repeats": args.repeats,
-            "tbt_sweep_s": args.tbt_sweep,
-        }.items()
-        if v is not None
-    }
+    overrides = _given(
+        model=args.model,
+        device=args.device,
+        prefill_tokens=args.prompt_tokens,
+        prefill_chunk=args.chunk_size,
+        repeats=args.repeats,
+        tbt_sweep_s=args.tbt_sweep,
+    )
     cfg = BatchBenchConfig.quick(**overrides) if args.quick else BatchBenchConfig(**overrides)
     main(cfg, args.json)
     return 0

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from bench.interruption_bench import FirstLogits
 from tests.attention import ATTENTION, model_with_attention
 from tests.engine_hooks import StopAfter
 from worker.batch_engine import BatchEngine
@@ -34,23 +35,6 @@ def prompt(n: int, vocab: int, seed: int) -> tuple[int, ...]:
 def reference_logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0, -1]
-
-
-class FirstLogits:
-    def __init__(self) -> None:
-        self.logits: torch.Tensor | None = None
-
-    def on_chunk_done(self, task, tokens_done):
-        pass
-
-    def on_layers_done(self, task, chunk, layers_done):
-        pass
-
-    def on_first_token(self, task, token_id, logits):
-        self.logits = logits.clone()
-
-    def on_token(self, task, token_id):
-        pass
 
 
 def engine_for(model, **config) -> BatchEngine:
