@@ -43,6 +43,7 @@ from queue_service.scheduler import (
     SchedulerConfig,
     make_policy,
 )
+from queue_service.scheduler.policies import CHUNKED_C
 from tierflow.tiers import TierTable, load_tiers
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig
@@ -61,7 +62,7 @@ class PolicyBenchConfig:
     device: str | None = None
     policies: tuple[str, ...] = tuple(POLICIES)
     chunk_size: int = EngineConfig.chunk_size  # engine chunk of every policy but chunked
-    chunked_chunk_size: int = 512  # C of the chunked baseline
+    chunked_chunk_size: int = CHUNKED_C  # C of the chunked baseline
     workers: int = 1
     duration_s: float = 60.0
     seed: int = 0

@@ -61,7 +61,7 @@ DEMO_MIX = (
 @dataclass(frozen=True)
 class DemoConfig:
     model: str = StackConfig.model
-    duration_s: float = 40.0  # of arrivals, once per scheduler: the demo takes about 3 minutes
+    duration_s: float = 30.0  # of arrivals, once per scheduler: the demo takes about 3 minutes
     seed: int = 0
     out_dir: Path = Path("out")
     tiers_file: Path = REPO / "config" / "demo-tiers.toml"

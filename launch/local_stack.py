@@ -34,6 +34,7 @@ from launch.processes import (
 )
 from launch.supervisor import RestartPolicy, Supervisor
 from queue_service.config import QueueServiceConfig
+from queue_service.scheduler import make_policy
 from tierflow.kafka_settings import KafkaSettings
 from worker.config import WorkerConfig
 
@@ -51,8 +52,10 @@ class StackConfig:
     model: str = "smollm2"  # the real model: the stack is for trying tierflow out
     workers: int = 1
     policy: str = QueueServiceConfig.policy
+    # The workers' engine settings; None: what each deployment's policy runs at its best
+    # (``SchedulingPolicy.engine_check``; the chunked baseline at its own C, as in the bench).
     chunk_size: int | None = WorkerConfig.chunk_size
-    check: str = WorkerConfig.check
+    check: str | None = None
     device: str = "cpu"
     log_dir: Path = Path("out/stack")
     tiers_file: Path = REPO / "config" / "tiers.toml"
@@ -173,8 +176,18 @@ class LocalStack:
         wait_serving(target, timeout=180, service=QUEUE_SERVICE_LISTENING)
         return target
 
+    def _engine_settings(self, deployment: str) -> tuple[int | None, str]:
+        """(chunk size, check) of a deployment's workers."""
+        cfg = self.config
+        if cfg.check is not None:
+            return cfg.chunk_size, cfg.check
+        policy = (cfg.canary_policy if deployment == CANARY else None) or cfg.policy
+        engine = make_policy(policy)
+        return engine.engine_chunk_size or cfg.chunk_size, engine.engine_check
+
     def _start_worker(self, worker_id: str, queue_service: str, deployment: str) -> None:
         cfg = self.config
+        chunk_size, check = self._engine_settings(deployment)
         proc = self._spawn(
             worker_id,
             python_module(
@@ -183,8 +196,8 @@ class LocalStack:
                 "--worker-id", worker_id,
                 "--model", cfg.model,
                 "--device", cfg.device,
-                "--chunk-size", str(cfg.chunk_size or 0),  # 0: the whole prompt
-                "--check", cfg.check,
+                "--chunk-size", str(chunk_size or 0),  # 0: the whole prompt
+                "--check", check,
                 "--deployment", deployment,
                 "--metrics-port", self._metrics_port(worker_id),
             ),

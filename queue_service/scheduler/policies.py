@@ -9,6 +9,8 @@ engine per policy from the policy object alone:
                     that each fit the worker's preemption budget, ``worker.row_blocks``),
                     "layer" (every layer boundary), "half" (also between a layer's attention
                     and MLP), "chunk" (only at chunk ends), "none" (never: runs to completion)
+  ``engine_chunk_size``  the chunk size it runs at best (None: the worker's default); the
+                    chunked baseline's C=512, as vLLM and SGLang chunk
   ``preempts``      whether the policy ever issues Preempt
   ``drop_state``    whether its Preempt asks the worker to drop the KV state (recompute later)
 
@@ -81,6 +83,7 @@ class Outlook:
 class SchedulingPolicy(ABC):
     name: ClassVar[str]
     engine_check: ClassVar[EngineCheck]
+    engine_chunk_size: ClassVar[int | None] = None
     preempts: ClassVar[bool] = False
     drop_state: ClassVar[bool] = False
     # Whether the planner applies ``guarded`` on top of ``key`` (the tier guard).
@@ -174,9 +177,13 @@ class Priority(SchedulingPolicy):
         return (req.tier.rank, req.arrival_s, req.seq)
 
 
+CHUNKED_C = 512  # the chunked baseline's chunk size
+
+
 class Chunked(Priority):
     name = "chunked"
     engine_check = "chunk"
+    engine_chunk_size = CHUNKED_C
     preempts = True
 
     def should_preempt(
@@ -338,6 +345,7 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
 class FlowPrefillChunkStops(FlowPrefill):
     name = "flowprefill-chunk"
     engine_check = "chunk"
+    engine_chunk_size = CHUNKED_C
 
 
 class PriorityLayerStops(Chunked):
