@@ -4,9 +4,12 @@ Every admitted request owns one slot: per layer, a region of positions in one te
 ``(slots, num_kv_heads, tokens, head_dim)``. The tensors grow as slots are taken, never ahead
 of need: ``slots`` doubles (up to ``num_slots``) when a request finds none free, ``tokens``
 grows to the largest request held (prompt + new tokens, at most ``slot_tokens``; while slots
-are held it at least doubles, so widenings are few), and both go back to nothing when the last
-slot is freed. So a worker of one slot holds what one
-request needs, as a per-request cache would, and an idle worker holds no KV. Growing means a
+are held it at least doubles, so widenings are few). A pool of one slot goes back to nothing
+when it is freed (growing it again copies nothing); a pool of several keeps what it grew, since
+growing again would copy the held slots and stall the engine (a demo run had a critical
+request's 38-token prefill take 1.3 s while its pool grew behind a 2580-token document). So a
+worker of one slot holds what one request needs, as a per-request cache would, and an idle one
+holds no KV. Growing means a
 new tensor per layer and a copy of the old one into it (at a request's start, never per step):
 the decode step needs the batch's slots contiguous in one tensor. That copy stalls the engine
 thread for the request that makes the pool grow (on the 2-core machine 0.3-3.5 ms per MiB of
@@ -165,8 +168,8 @@ class KVPool:
     def free(self, cache: SlotCache) -> None:
         if cache.slot >= 0 and self._caches[cache.slot] is cache:
             self._caches[cache.slot] = None
-            if self.used_slots == 0 and not self.preallocated:  # an idle worker holds no KV
-                self._resize(0, 0)
+            if self.used_slots == 0 and self.num_slots == 1 and not self.preallocated:
+                self._resize(0, 0)  # a one-slot worker idle holds no KV: regrowing copies nothing
         cache.slot = -1  # a freed cache owns nothing: a suspended pack's write to it is skipped
 
     def _highest_free(self) -> int | None:
