@@ -287,7 +287,15 @@ class EdgeStack:
 
 @contextlib.contextmanager
 def edge_stack(
-    tmp: Path, kafka, *, model: str, chunk_size: int, rate_limits=None, openai: bool = False
+    tmp: Path,
+    kafka,
+    *,
+    model: str,
+    chunk_size: int,
+    rate_limits=None,
+    openai: bool = False,
+    queue_service_args: list[str] | None = None,
+    worker_args: list[str] | None = None,
 ):
     prefix = f"t{uuid.uuid4().hex[:12]}."  # topics of this stack's own
     settings = KafkaSettings(
@@ -297,9 +305,13 @@ def edge_stack(
     tiers.write_text(TIERS)
     started: list[ServiceProcess] = []
     try:
-        qs, qs_target = start_queue_service(tmp, settings, model=model, tiers=tiers)
+        qs, qs_target = start_queue_service(
+            tmp, settings, model=model, tiers=tiers, extra=queue_service_args
+        )
         started.append(qs)
-        worker = start_worker(tmp, qs_target, "w1", model=model, chunk_size=chunk_size)
+        worker = start_worker(
+            tmp, qs_target, "w1", model=model, chunk_size=chunk_size, extra=worker_args
+        )
         started.append(worker)
         gateway, gateway_target = start_gateway(tmp, keys=KEYS_FILE, tiers=tiers)
         started.append(gateway)

@@ -43,7 +43,10 @@ from worker.models import load_builtin_tokenizer
 MODEL = "bench-llama"
 # standard's bucket (3, practically never refilled) is for the rate-limit test, which runs last.
 STANDARD_BURST = 3
-BACKLOG = 8  # batch requests of 1024 new tokens that make the scheduler shed the next one
+# Batch requests of 1024 new tokens: KV_SLOTS of them decode on the worker for tens of seconds,
+# the rest wait for a slot, and past SHED_AFTER waiting the scheduler sheds the next one.
+KV_SLOTS, SHED_AFTER = 4, 3
+BACKLOG = KV_SLOTS + SHED_AFTER + 1
 
 
 def ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
@@ -60,6 +63,8 @@ def stack(tmp_path_factory, kafka):
         chunk_size=512,
         rate_limits={"standard": (STANDARD_BURST, 0.0001)},
         openai=True,
+        queue_service_args=["--max-queued-sheddable", str(SHED_AFTER)],
+        worker_args=["--kv-slots", str(KV_SLOTS)],
     ) as stack:
         yield stack
 
@@ -249,8 +254,9 @@ def test_missing_or_unknown_key_is_401_in_openai_shape(stack):
 
 
 def test_shed_batch_request_is_429_with_retry_after(stack):
-    # Long batch requests (1024 new tokens each: the scheduler predicts ~50 s of decoding per
-    # request) until the predicted wait of a newcomer exceeds the 300 s shedding limit.
+    # Long batch requests (1024 new tokens each) until the worker's KV slots are all held by
+    # decoding ones and SHED_AFTER more wait for a slot: the next batch request is shed (the
+    # scheduler's limit of waiting sheddable requests), at admission.
     streams = []
     try:
         with TierflowClient(stack.target, api_key=DEMO_KEYS["batch"]) as grpc_client:
