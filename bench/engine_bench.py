@@ -32,7 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench.metrics import mean_interval, percentile
-from bench.report import finish
+from bench.report import finish, latency_cdf_axis, save_figure
 from bench.tables import print_table
 from worker.batch_runner import BatchRunner
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
@@ -404,16 +404,10 @@ def plot(result: dict, path: Path) -> None:
     right.axvline(
         result["layer_time_ms"]["max"], color="gray", linestyle=":", label="largest layer time"
     )
-    right.set_xscale("log")
-    right.set_xlabel("preemption latency (ms, log)")
-    right.set_ylabel("CDF")
-    right.set_title("preemption latency, flag at a random time")
+    latency_cdf_axis(right, "preemption latency, flag at a random time")
     right.legend(loc="lower right")
     fig.suptitle(f"{result['model']} on {result['device']}, {result['prompt_tokens']}-token prompt")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(cfg: EngineBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.metrics import mean_interval, percentile
-from bench.report import finish
+from bench.report import finish, latency_cdf_axis, save_figure
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig
 from worker.engine import RunStatus
@@ -254,15 +254,9 @@ def plot(result: dict, path: Path) -> None:
             ax.step(samples, ys, where="post", linestyle=styles.get(check, ":"),
                     label=f"C={chunk}, {check}")  # fmt: skip
     ax.axvline(result["budget_ms"], color="gray", linestyle=":", label="budget")
-    ax.set_xscale("log")
-    ax.set_xlabel("preemption latency (ms, log)")
-    ax.set_ylabel("CDF")
-    ax.set_title(f"{result['model']}: stops between row blocks vs at layer boundaries")
+    latency_cdf_axis(ax, f"{result['model']}: stops between row blocks vs at layer boundaries")
     ax.legend(loc="lower right", fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(cfg: InterruptionBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:

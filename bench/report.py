@@ -224,6 +224,22 @@ def render_comparison(result: dict, console: Console) -> None:
         console.print(line)
 
 
+def latency_cdf_axis(ax, title: str) -> None:
+    """The axis of a preemption-latency CDF (log milliseconds)."""
+    ax.set_xscale("log")
+    ax.set_xlabel("preemption latency (ms, log)")
+    ax.set_ylabel("CDF")
+    ax.set_title(title)
+
+
+def save_figure(fig, path: Path) -> None:
+    plt = _pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _pyplot():
     import matplotlib
 
