@@ -359,7 +359,7 @@ def _add_bench(sub) -> None:
         "--ablations",
         action="store_true",
         help="flowprefill next to its ablations (flowprefill-chunk, priority-layer, "
-        "flowprefill-recompute, flowprefill-half) on the same arrivals",
+        "flowprefill-recompute, flowprefill-layer) on the same arrivals",
     )
     b.add_argument(
         "--chunk-size",
