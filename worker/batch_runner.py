@@ -471,7 +471,8 @@ class BatchRunner:
         for rid in ids:
             self._entries[rid].progress.run_started = started
         self.busy.start(started)
-        self.slotter.prefill_started()
+        # Inside it, only rows as urgent as its most urgent member get a step slotted in.
+        self.slotter.prefill_started(min(self._target_of(rid) for rid in ids))
         outcome, error = self._run_engine(pack, tasks[0])
         now = time.perf_counter()
         self.busy.stop(now)  # the decode steps slotted into this run are inside it

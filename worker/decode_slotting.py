@@ -53,7 +53,7 @@ class DecodeSlotter:
         """``task`` joined the batch; its TBT counts from its last token (now by default)."""
         self._last_token_at[task.request_id] = self.clock() if at is None else at
 
-    def prefill_started(self, target_s: float = float("inf")) -> None:
+    def prefill_started(self, target_s: float) -> None:
         """A prefill run is about to start: step first if its first block would be too late;
         the time before this call is no block's. ``target_s`` is the prefill's own TBT target
         (its tier's): inside it, only rows whose target is as tight get a step. A slotted step

@@ -62,7 +62,6 @@ class RowBlockPlanner:
     def __init__(self, rule: BlockRule) -> None:
         self.rule = rule
         self._rates: dict[str, deque[float]] = {}  # per operator: recent seconds per unit
-        self.samples = 0
 
     def units(self, operator: str, rows: int, keys: int) -> float:
         if operator == ATTENTION:
@@ -96,7 +95,6 @@ class RowBlockPlanner:
         took ``seconds``."""
         rates = self._rates.setdefault(operator, deque(maxlen=self.rule.window))
         rates.append(seconds / max(self.units(operator, rows, keys), 1.0))
-        self.samples += 1
 
     def rate(self, operator: str) -> float | None:
         """Seconds per unit of ``operator``: the lower quartile of its recent blocks; None
