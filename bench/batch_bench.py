@@ -225,7 +225,7 @@ def tbt_run(engine: BatchEngine, slotter: DecodeSlotter, mode: str, long_ids, de
     listener = _StepPerChunk(slotter) if mode == "chunk" else None
     between = slotter if mode == "layer" else None
     if between is not None:
-        slotter.prefill_started()
+        slotter.prefill_started(float("inf"))  # the long prefill has no TBT target of its own
     prefill_running = True
     start = time.perf_counter()
     if listener is not None:

@@ -38,6 +38,7 @@ from launch.processes import REPO, free_port
 from tests.integration.processes import start_edge, start_gateway, start_openai_api
 from tests.integration.test_edge import KEYS_FILE, TIERS, demo_scoped, edge_stack
 from tierflow.client import TierflowClient
+from tierflow.v1.serving_pb2 import RequestStatus
 from worker.models import load_builtin_tokenizer
 
 MODEL = "bench-llama"
@@ -46,7 +47,6 @@ STANDARD_BURST = 3
 # Batch requests of 1024 new tokens: KV_SLOTS of them decode on the worker for tens of seconds,
 # the rest wait for a slot, and past SHED_AFTER waiting the scheduler sheds the next one.
 KV_SLOTS, SHED_AFTER = 4, 3
-BACKLOG = KV_SLOTS + SHED_AFTER + 1
 
 
 def ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
@@ -254,44 +254,46 @@ def test_missing_or_unknown_key_is_401_in_openai_shape(stack):
 
 
 def test_shed_batch_request_is_429_with_retry_after(stack):
-    # Long batch requests (1024 new tokens each) until the worker's KV slots are all held by
-    # decoding ones and SHED_AFTER more wait for a slot: the next batch request is shed (the
-    # scheduler's limit of waiting sheddable requests), at admission.
+    # Long batch requests (1024 new tokens each): KV_SLOTS of them, each running on the worker
+    # before the next is sent, hold all its KV slots; SHED_AFTER more wait for a slot. The next
+    # batch request is shed at admission (the scheduler's limit of waiting sheddable requests).
+    # Sending them all at once would race: the limit can count requests the worker is about to
+    # take, and the one that should be shed then finds room.
     streams = []
     try:
-        with TierflowClient(stack.target, api_key=DEMO_KEYS["batch"]) as grpc_client:
-            for i in range(BACKLOG):
+        with (
+            TierflowClient(stack.target, api_key=DEMO_KEYS["batch"]) as grpc_client,
+            TierflowClient(stack.target, api_key=DEMO_KEYS["batch"]) as watcher,
+        ):
+            for i in range(KV_SLOTS + SHED_AFTER):
                 request_id = f"backlog-{i}-{uuid.uuid4().hex[:6]}"
                 stream = grpc_client.generate(ids(16, seed=40 + i), max_new_tokens=1024,
                                               request_id=request_id)  # fmt: skip
-                try:
-                    assert next(stream).WhichOneof("event") == "queued"
-                except grpc.RpcError as exc:  # shed at admission: the backlog is long enough
-                    assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                    break
-                streams.append((request_id, stream))
-            with TierflowClient(stack.target, api_key=DEMO_KEYS["batch"]) as watcher:
-                for request_id, _ in streams:  # until the scheduler holds them all
-                    wait_until_scheduled(watcher, request_id)
+                assert next(stream).WhichOneof("event") == "queued"
+                streams.append(stream)
+                wait_for_state(watcher, request_id, "RUNNING" if i < KV_SLOTS else "QUEUED")
             with pytest.raises(openai.RateLimitError) as err:
                 sdk(stack, "batch").completions.create(model=MODEL, prompt="hello", max_tokens=2)
         assert err.value.code == "overloaded" and "overloaded" in err.value.message
         assert err.value.response.headers["retry-after"] == "5"
     finally:
-        for _, stream in streams:
+        for stream in streams:
             stream.close()  # cancels them
 
 
-def wait_until_scheduled(client: TierflowClient, request_id: str, timeout: float = 60) -> None:
+def wait_for_state(client: TierflowClient, request_id: str, state: str, timeout=60.0) -> None:
+    """Until the scheduler reports ``request_id`` in ``state`` (a ``RequestStatus.State`` name)."""
     deadline = time.monotonic() + timeout
+    seen = None
     while time.monotonic() < deadline:
         try:
-            client.status(request_id)
-            return
-        except grpc.RpcError as exc:
+            seen = RequestStatus.State.Name(client.status(request_id).state)
+            if seen == state:
+                return
+        except grpc.RpcError as exc:  # not yet arrived at the scheduler
             assert exc.code() is grpc.StatusCode.NOT_FOUND, exc
         time.sleep(0.1)
-    raise TimeoutError(f"{request_id} never reached the scheduler")
+    raise TimeoutError(f"{request_id} never reached {state} (last seen: {seen})")
 
 
 # ---------------------------------------------------------------- cancellation and priority
