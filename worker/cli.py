@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preallocate-kv",
         action="store_true",
-        help="allocate every KV slot at full size at start (no pool growth while serving)",
+        help="commit the whole KV pool's memory at start (else, on a CPU, as requests write it)",
     )
     parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
     parser.add_argument(

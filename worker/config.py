@@ -72,9 +72,9 @@ class BatchConfig:
     max_batch_size: int = 16  # decoding requests in one step
     pool_slots: int = 24  # KV slots: every admitted request (prefilling, decoding, paused) owns one
     slot_tokens: int | None = None  # tokens per slot (prompt + new); None: the model's context
-    # Allocate every slot at full size when the engine starts, and keep it: no growth while
-    # serving (growing copies the pool, stalling the engine thread: docs/design.md, "The
-    # batched engine"), at the memory of a full pool from the start.
+    # Commit the whole pool's memory when the engine starts (a CPU pool is otherwise committed
+    # by the OS as requests write it, and handed back as they finish: worker.kv_pool), so a
+    # machine short of it fails at start rather than mid-run.
     preallocate: bool = False
 
     def __post_init__(self) -> None:
@@ -117,7 +117,7 @@ class WorkerConfig:
     max_batch_size: int | None = None
     # Tokens (prompt + new) one request may hold; None: the model's context.
     slot_tokens: int | None = None
-    # The whole KV pool allocated at start (BatchConfig.preallocate) instead of as it fills.
+    # The whole KV pool's memory committed at start (BatchConfig.preallocate).
     preallocate_kv: bool = False
 
     def __post_init__(self) -> None:

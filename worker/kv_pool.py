@@ -1,38 +1,39 @@
 """A shared KV pool of slots, and the cache views the attention modules write into.
 
 Every admitted request owns one slot: per layer, a region of positions in one tensor of shape
-``(slots, num_kv_heads, tokens, head_dim)``. The tensors grow as slots are taken, never ahead
-of need: ``slots`` doubles (up to ``num_slots``) when a request finds none free, ``tokens``
-grows to the largest request held (prompt + new tokens, at most ``slot_tokens``; while slots
-are held it at least doubles, so widenings are few). A pool of one slot goes back to nothing
-when it is freed (growing it again copies nothing); a pool of several keeps what it grew, since
-growing again would copy the held slots and stall the engine (a demo run had a critical
-request's 38-token prefill take 1.3 s while its pool grew behind a 2580-token document). So a
-worker of one slot holds what one request needs, as a per-request cache would, and an idle one
-holds no KV. Growing means a
-new tensor per layer and a copy of the old one into it (at a request's start, never per step):
-the decode step needs the batch's slots contiguous in one tensor. That copy stalls the engine
-thread for the request that makes the pool grow (on the 2-core machine 0.3-3.5 ms per MiB of
-the grown pool, by its load: docs/design.md); ``preallocate`` allocates the full pool at start
-instead, as it always was before.
+``(slots, num_kv_heads, tokens, head_dim)``. The tensors are full size from the start and never
+resized, so nothing is ever copied to make room: an earlier pool that grew as slots were taken
+copied itself on each growth and stalled the engine thread for seconds (16 to 24 slots of
+bench-llama: 3 s on the 2-core machine), and a critical request waited behind that stall (a
+sustained run had a Preempt acknowledged 4.6 s late). On a CPU, memory still follows use: the
+tensors are views of anonymous private memory maps, which the OS commits page by page as they
+are first written and which read as zeros before (``mmap(2)``: an anonymous mapping is
+zero-initialised), and a freed slot's pages are handed back (``MADV_DONTNEED``; they read as
+zeros again). So a worker holds about what its live requests wrote, an idle one holds no KV,
+and a worker of one slot holds what one request needs, as a per-request cache would. On other
+devices (a GPU, whose memory is not committed lazily) the pool is allocated, zeroed, at start,
+as serving systems do. ``preallocate`` commits a CPU pool's memory at start too (it fails at
+start, not mid-run, when the machine lacks it).
 
 Slots, not pages, because the decode batch is kept in slots ``0 .. B-1``: one decode step then
 attends to ``keys[:B, :, :longest]``, a *view* of the pool, with rows of different lengths
-masked. Pages
-would need a gather of every row's pages into a batch tensor on every step (a copy of all
-caches), which plain ``torch`` attention cannot avoid without a paged kernel. The price of slots
-is internal fragmentation (a slot is sized for the longest request) and a copy of one request's
-filled K/V when the batch is compacted (``swap``) on join, leave or pause, never per step.
+masked. Pages would need a gather of every row's pages into a batch tensor on every step (a
+copy of all caches), which plain ``torch`` attention cannot avoid without a paged kernel. The
+price of slots is reserved address space (a slot spans the longest request; untouched pages
+cost no memory) and a copy of one request's filled K/V when the batch is compacted (``swap``)
+on join, leave or pause, never per step.
 
-Memory accounting is per request: a request holds its whole slot (``slot_bytes``, at the
-pool's current width) from its first layer until it is freed; ``worker.memory`` caps what
-suspended and paused ones hold.
+Memory accounting is per request: a request holds what it reserved (prompt + new tokens) from
+its first layer until it is freed; ``worker.memory`` caps what suspended and paused ones hold.
 
-The pool is zero-filled: masked positions are multiplied by an attention weight of 0, and a
-NaN from uninitialised memory would survive that product.
+Masked positions must hold finite numbers: they are multiplied by an attention weight of 0, and
+a NaN would survive that product. Never-written and handed-back pages read as zeros, and a
+reused slot holds its last owner's finite K/V.
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -55,7 +56,7 @@ class SlotCache(LayerwiseAppend):
         self.slot = slot  # changes when the pool compacts the decode batch
         self.owner = owner
         self.filled = [0] * pool.num_layers
-        self.capacity = tokens  # what it reserved: the pool is at least this wide while it lives
+        self.capacity = tokens  # what it reserved
 
     def buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slot
@@ -63,7 +64,8 @@ class SlotCache(LayerwiseAppend):
 
     @property
     def nbytes(self) -> int:
-        return self.pool.slot_bytes
+        """What it reserved: the most its K/V can take."""
+        return self.capacity * self.pool.token_bytes
 
     @property
     def length(self) -> int:
@@ -90,37 +92,35 @@ class KVPool:
                 f"of {slot_tokens} tokens"
             )
         self.num_layers = num_layers
-        self.num_slots = num_slots  # at most
-        self.slot_tokens = slot_tokens  # at most, per slot
-        self._dims = (num_kv_heads, head_dim)
-        self._dtype, self._device = dtype, device
+        self.num_slots = num_slots
+        self.slot_tokens = slot_tokens  # per slot
         element = torch.empty((), dtype=dtype).element_size()
-        self._token_bytes = 2 * num_layers * num_kv_heads * head_dim * element  # K and V
+        self.token_bytes = 2 * num_layers * num_kv_heads * head_dim * element  # K and V
         self._caches: list[SlotCache | None] = [None] * num_slots
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.preallocated = preallocate  # full size from the start, never grown or shrunk
-        self._resize(*((num_slots, slot_tokens) if preallocate else (0, 0)))
+        shape = (num_slots, num_kv_heads, slot_tokens, head_dim)
+        self.lazy = torch.device(device).type == "cpu" and not preallocate
+        self._maps: list[mmap.mmap] = []  # a lazy pool's memory, one map per tensor
+        self.keys = [self._tensor(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [self._tensor(shape, dtype, device) for _ in range(num_layers)]
 
-    @property
-    def slots_allocated(self) -> int:
-        """Slots the tensors hold now (``num_slots`` is the most they may grow to)."""
-        return self.keys[0].shape[0] if self.keys else 0
-
-    @property
-    def tokens_allocated(self) -> int:
-        """Positions per slot the tensors hold now."""
-        return self.keys[0].shape[2] if self.keys else 0
+    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        if not self.lazy:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous: reads as zeros
+        self._maps.append(memory)
+        return torch.frombuffer(memory, dtype=dtype).view(shape)
 
     @property
     def slot_bytes(self) -> int:
-        """One slot's K/V at the pool's current width."""
-        return self.tokens_allocated * self._token_bytes
+        """The most one slot's K/V can take."""
+        return self.slot_tokens * self.token_bytes
 
     @property
     def allocated_bytes(self) -> int:
-        """What the pool's tensors take now."""
-        return self.slots_allocated * self.slot_bytes
+        """KV memory the pool holds now: the whole pool when it is not lazy, else what the
+        live requests reserved (freed slots are handed back)."""
+        return self.used_bytes if self.lazy else self.num_slots * self.slot_bytes
 
     @property
     def used_slots(self) -> int:
@@ -132,75 +132,39 @@ class KVPool:
 
     @property
     def used_bytes(self) -> int:
-        return self.used_slots * self.slot_bytes
+        return sum(c.nbytes for c in self._caches if c is not None)
 
     def allocate(self, owner: str, tokens: int) -> SlotCache:
-        """A slot of at least ``tokens`` positions: the highest free one the tensors hold (the
-        decode batch grows from slot 0, so a new request rarely sits where the batch will need
-        to grow next), else one of the slots the pool grows by."""
+        """A slot for ``tokens`` positions: the highest free one (the decode batch grows from
+        slot 0, so a new request rarely sits where the batch will need to grow next)."""
         if not 0 < tokens <= self.slot_tokens:
             raise ValueError(f"a slot holds 1 to {self.slot_tokens} tokens, asked {tokens}")
-        slot = self._highest_free()
+        slot = next((s for s in reversed(range(self.num_slots)) if self._caches[s] is None), None)
         if slot is None:
-            if self.used_slots >= self.num_slots:
-                raise PoolFullError(f"all {self.num_slots} KV slots are in use")
-            grown = min(self.num_slots, max(1, 2 * self.slots_allocated))
-            self._resize(grown, self._tokens_for(tokens))
-            slot = self._highest_free()
-            assert slot is not None
-        elif tokens > self.tokens_allocated:
-            self._resize(self.slots_allocated, self._tokens_for(tokens))
+            raise PoolFullError(f"all {self.num_slots} KV slots are in use")
         cache = SlotCache(self, slot, owner, tokens)
         self._caches[slot] = cache
         return cache
 
-    def _tokens_for(self, tokens: int) -> int:
-        """The width to hold ``tokens``: at least double the current one when slots are held
-        (each widening copies the whole pool and stalls the engine, so they are few: a
-        logarithmic number over a worker's life), exactly ``tokens`` from empty (a fresh
-        allocation copies nothing)."""
-        if tokens <= self.tokens_allocated:
-            return self.tokens_allocated
-        if not self.used_slots:
-            return tokens
-        return min(self.slot_tokens, max(tokens, 2 * self.tokens_allocated))
-
     def free(self, cache: SlotCache) -> None:
         if cache.slot >= 0 and self._caches[cache.slot] is cache:
             self._caches[cache.slot] = None
-            if self.used_slots == 0 and self.num_slots == 1 and not self.preallocated:
-                self._resize(0, 0)  # a one-slot worker idle holds no KV: regrowing copies nothing
+            self._hand_back(cache.slot)
         cache.slot = -1  # a freed cache owns nothing: a suspended pack's write to it is skipped
 
-    def _highest_free(self) -> int | None:
-        for slot in range(self.slots_allocated - 1, -1, -1):
-            if self._caches[slot] is None:
-                return slot
-        return None
-
-    def _resize(self, slots: int, tokens: int) -> None:
-        """New zeroed tensors of ``slots`` x ``tokens``, the old contents copied in (both
-        dimensions only grow while a slot is held), one layer at a time to keep the peak low."""
-        old_slots, old_tokens = self.slots_allocated, self.tokens_allocated
-        keep_slots, keep_tokens = min(slots, old_slots), min(tokens, old_tokens)
-        shape = (slots, self._dims[0], tokens, self._dims[1])
-        # Normal tensors even when grown inside an engine run (inference mode): the batch is
-        # compacted (``swap``) outside one, and an inference tensor cannot be written there.
-        with torch.inference_mode(False):
-            self._copy_into(shape, keep_slots, keep_tokens)
-
-    def _copy_into(self, shape: tuple[int, ...], keep_slots: int, keep_tokens: int) -> None:
-        for tensors in (self.keys, self.values):
-            for i in range(self.num_layers):
-                grown = torch.zeros(shape, dtype=self._dtype, device=self._device)
-                if keep_slots and keep_tokens:
-                    grown[:keep_slots, :, :keep_tokens].copy_(
-                        tensors[i][:keep_slots, :, :keep_tokens]
-                    )
-                if i < len(tensors):
-                    tensors[i] = grown
-                else:
-                    tensors.append(grown)
+    def _hand_back(self, slot: int) -> None:
+        """Return a freed slot's memory to the OS (a lazy pool): its pages read as zeros
+        again and are committed anew when the next owner writes them. Only whole pages inside
+        the slot's region: its first and last page may be shared with a neighbour."""
+        if not self.lazy:
+            return
+        span = len(self._maps[0]) // self.num_slots  # every map holds num_slots equal slots
+        page = mmap.PAGESIZE
+        start = -(-slot * span // page) * page
+        end = (slot + 1) * span // page * page
+        if end > start:
+            for memory in self._maps:
+                memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def owner_of(self, slot: int) -> SlotCache | None:
         return self._caches[slot]

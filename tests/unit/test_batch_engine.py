@@ -241,7 +241,8 @@ def test_memory_is_freed_on_finish_and_cancel(tiny_llama):
         engine.join(task)
     channel.preempt()
     assert engine.prefill(tasks[3], channel).status is RunStatus.PREEMPTED  # suspended
-    assert engine.pool.used_slots == 4 and engine.held_bytes == 4 * engine.pool.slot_bytes
+    reserved = sum(len(t.request.prompt_ids) + 5 for t in tasks) * engine.pool.token_bytes
+    assert engine.pool.used_slots == 4 and engine.held_bytes == reserved
     engine.decode_step()
     engine.cancel(tasks[1])  # decoding
     engine.cancel(tasks[3])  # suspended prefill

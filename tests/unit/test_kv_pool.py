@@ -1,6 +1,8 @@
-"""The KV pool grows as slots are taken and keeps what its slots hold while it grows."""
+"""The KV pool: full size from the start, committed as written, handed back when freed."""
 
 from __future__ import annotations
+
+import mmap
 
 import pytest
 import torch
@@ -30,57 +32,80 @@ def fill(cache, n: int, value: float) -> None:
         cache.update(kv, -kv, layer)
 
 
-def test_an_idle_one_slot_pool_holds_nothing_and_one_request_holds_only_its_own_tokens():
-    kv = pool(slots=1)
-    assert kv.allocated_bytes == 0
-    cache = kv.allocate("a", 30)
-    assert (kv.slots_allocated, kv.tokens_allocated) == (1, 30)
-    assert kv.allocated_bytes == 30 * TOKEN_BYTES == kv.used_bytes
-    kv.free(cache)
+def resident_bytes() -> int:
+    """This process's resident memory (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_an_idle_pool_holds_nothing_and_a_request_holds_what_it_reserved():
+    kv = pool(slots=3)
+    assert kv.allocated_bytes == 0 and kv.lazy
+    a, b = kv.allocate("a", 30), kv.allocate("b", 70)
+    assert kv.allocated_bytes == 100 * TOKEN_BYTES == kv.used_bytes
+    kv.free(a)
+    assert kv.allocated_bytes == 70 * TOKEN_BYTES
+    kv.free(b)
     assert kv.allocated_bytes == 0 and kv.used_slots == 0
 
 
-def test_growing_slots_and_tokens_keeps_every_slot_contents():
+def test_slots_are_zero_until_written_and_keep_their_contents_beside_each_other():
     kv = pool()
-    a = kv.allocate("a", 10)
-    fill(a, 10, 1.0)
-    b = kv.allocate("b", 40)  # a second slot, and wider: both dimensions grow
-    fill(b, 25, 2.0)
-    c = kv.allocate("c", 5)  # slots double: 2 -> 4
-    fill(c, 5, 3.0)
-    assert (kv.slots_allocated, kv.tokens_allocated) == (4, 40)
+    a, b, c = kv.allocate("a", 10), kv.allocate("b", 40), kv.allocate("c", 5)
+    for cache, n, value in ((a, 10, 1.0), (b, 25, 2.0), (c, 5, 3.0)):
+        fill(cache, n, value)
     for cache, n, value in ((a, 10, 1.0), (b, 25, 2.0), (c, 5, 3.0)):
         for layer in range(LAYERS):
             keys, values = cache.buffers(layer)
             assert torch.equal(keys[:, :, :n], torch.full((1, HEADS, n, HEAD_DIM), value))
             assert torch.equal(values[:, :, :n], -keys[:, :, :n])
             assert not keys[:, :, n:].any()  # zero past what it wrote
-    kv.swap(a.slot, 0)  # compacting the batch still works on grown tensors
-    assert kv.owner_of(0) is a
+    kv.swap(a.slot, 0)  # compacting the batch
+    assert kv.owner_of(0) is a and torch.equal(
+        a.buffers(0)[0][:, :, :10], torch.ones(1, HEADS, 10, HEAD_DIM)
+    )
 
 
-def test_the_pool_grows_to_its_limit_and_refuses_past_it():
+def test_a_freed_slot_hands_its_memory_back_and_reads_as_zeros():
+    """Large enough that a slot spans many pages: resident memory rises by about the slot
+    when it is written and falls back when it is freed."""
+    kv = KVPool(
+        num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, num_slots=2,
+        slot_tokens=100_000, dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    slot_bytes = 100_000 * TOKEN_BYTES  # 19 MiB
+    before = resident_bytes()
+    cache = kv.allocate("a", 100_000)
+    fill(cache, 100_000, 1.0)
+    written = resident_bytes()
+    assert written - before > 0.8 * slot_bytes
+    kv.free(cache)
+    assert written - resident_bytes() > 0.8 * slot_bytes
+    again = kv.allocate("b", 10)
+    edge = 2 * mmap.PAGESIZE // 4  # floats of the two pages a slot may share with neighbours
+    for layer in range(LAYERS):
+        for tensor in again.buffers(layer):
+            assert 0 < tensor.numel() - edge <= int((tensor == 0).sum())
+
+
+def test_the_pool_refuses_past_its_slots_and_width():
     kv = pool(slots=3, slot_tokens=50)
     caches = [kv.allocate(name, 20) for name in "abc"]
-    assert kv.slots_allocated == 3 and kv.free_slots == 0
+    assert kv.free_slots == 0
     with pytest.raises(PoolFullError, match="KV slots are in use"):
         kv.allocate("d", 20)
     with pytest.raises(ValueError, match="1 to 50 tokens"):
         kv.allocate("e", 51)
-    grown = kv.allocated_bytes
-    for cache in caches:
-        kv.free(cache)
-    # A pool of several slots keeps what it grew: growing again would copy and stall.
-    assert kv.allocated_bytes == grown and kv.used_slots == 0
+    kv.free(caches[1])
+    assert kv.allocate("d", 20).slot == 1  # a freed slot serves the next request
 
 
-def test_a_preallocated_pool_is_full_size_from_the_start_and_stays_so():
+def test_a_preallocated_pool_holds_its_whole_size_from_the_start():
     kv = pool(slots=3, slot_tokens=50, preallocate=True)
     full = 3 * 50 * TOKEN_BYTES
-    assert kv.allocated_bytes == full
+    assert kv.allocated_bytes == full and not kv.lazy
     caches = [kv.allocate(name, 10) for name in "ab"]
     fill(caches[0], 10, 1.0)
-    assert kv.allocated_bytes == full  # nothing grows
     for cache in caches:
         kv.free(cache)
-    assert kv.allocated_bytes == full and kv.used_slots == 0  # nor shrinks
+    assert kv.allocated_bytes == full and kv.used_slots == 0
