@@ -23,6 +23,7 @@ All of it runs on one thread (the runner's engine thread), like ``PrefillEngine`
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,23 @@ class StepResult:
     finished: tuple[Task, ...]  # done after this step; they left the batch and freed their slot
     seconds: float = 0.0  # set by whoever timed it (``worker.decode_slotting``)
     slotted: bool = False  # run at a layer boundary of a running prefill
+    stopped: bool = False  # stopped at a layer boundary: no rows yet, the next step finishes it
+
+
+@dataclass
+class _StepInProgress:
+    """A decode step's rows and activations, up to layer ``next_layer``. Rows that join the
+    batch meanwhile take slots after the step's (it reads slots ``0 .. len(rows)-1`` only), so
+    a join leaves it valid; a leave moves slots, so it abandons the step (``_abandon_step``)."""
+
+    rows: tuple[Task, ...]
+    lengths: list[int]
+    h: torch.Tensor
+    position_ids: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor]
+    masks: list[torch.Tensor]  # one per layer
+    cache: DecodeStepCache
+    next_layer: int = 0
 
 
 class BatchEngine(PrefillEngine):
@@ -90,6 +108,7 @@ class BatchEngine(PrefillEngine):
         self.fast_decode = self.batch_config.max_batch_size > 1
         self.decode_layers = DecodeLayers.of(self) if self.fast_decode else None
         self.rows: list[Task] = []  # the decode batch: rows[i] owns slot i
+        self._pending_step: _StepInProgress | None = None  # stopped mid-step (``decode_step``)
 
     # ------------------------------------------------------------------ requests
 
@@ -201,6 +220,7 @@ class BatchEngine(PrefillEngine):
         row, last = self._slot(task), len(self.rows) - 1
         if row > last or self.rows[row] is not task:
             raise ValueError(f"task {task.request_id} is not in the decode batch")
+        self._abandon_step()
         self.pool.swap(row, last)
         self.rows[row] = self.rows[last]
         self.rows.pop()
@@ -221,52 +241,84 @@ class BatchEngine(PrefillEngine):
         task.recomputes += 1
         return False
 
+    @property
+    def step_pending(self) -> bool:
+        """A decode step stopped at a layer boundary waits to be finished (``decode_step``)."""
+        return self._pending_step is not None
+
     @torch.inference_mode()
-    def decode_step(self, listener: EngineListener = _NO_LISTENER) -> StepResult:
-        """One token for every row of the batch, in one forward."""
-        rows = tuple(self.rows)
-        if not rows:
+    def decode_step(
+        self, listener: EngineListener = _NO_LISTENER, stop: Callable[[], bool] | None = None
+    ) -> StepResult | None:
+        """One token for every row of the batch, in one forward. ``stop`` is asked at every
+        layer boundary (after at least one layer, so every call makes progress): when it says
+        so, the step keeps its activations and returns None, and the next call goes on from
+        that layer. That bounds the wait for a prefill that arrives mid-step by one layer of
+        the step, not the whole step (``worker.batch_runner``)."""
+        if not self.rows:
             return StepResult((), (), torch.empty(0), ())
+        step = self._pending_step or self._start_step()
+        self._pending_step = None
+        products = decode_products() if self.fast_decode else contextlib.nullcontext()
+        with products:  # a few rows against every weight: worker.packed_linear
+            for index in range(step.next_layer, len(self.layers)):
+                if index > step.next_layer and stop is not None and stop():
+                    step.next_layer, self._pending_step = index, step
+                    return None
+                step.h = self._decode_layer(index, step)
+            logits = self.lm_head(self.norm(step.h))[:, -1]
+        return self._sample_step(step, logits, listener)
+
+    def _start_step(self) -> _StepInProgress:
+        rows = tuple(self.rows)
         lengths = [self._cache(t).length for t in rows]
         positions = torch.tensor(lengths, device=self.device)
         kv_len = max(lengths) + 1
         last = torch.tensor([[t.output_ids[-1]] for t in rows], device=self.device)
         h = self.embed(last)
         position_ids = positions.unsqueeze(1)
-        rotary = self.rotary(h, position_ids)
         masks = self._step_masks(positions, kv_len)
-        cache = DecodeStepCache(self.pool, positions, kv_len)
-        products = decode_products() if self.fast_decode else contextlib.nullcontext()
-        with products:  # a few rows against every weight: worker.packed_linear
-            if self.decode_layers is not None:  # fused products, few operators
-                layer_masks = [masks[layer_type] for layer_type in self.layer_types]
-                h = self.decode_layers(h, *rotary, layer_masks, cache)
-            else:
-                for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
-                    h = layer(
-                        h,
-                        attention_mask=masks[layer_type],
-                        position_ids=position_ids,
-                        cache=cache,
-                        use_cache=True,
-                        position_embeddings=rotary,
-                    )
-            logits = self.lm_head(self.norm(h))[:, -1]
+        return _StepInProgress(
+            rows, lengths, h, position_ids, self.rotary(h, position_ids),
+            [masks[layer_type] for layer_type in self.layer_types],
+            DecodeStepCache(self.pool, positions, kv_len),
+        )  # fmt: skip
+
+    def _decode_layer(self, index: int, step: _StepInProgress) -> torch.Tensor:
+        if self.decode_layers is not None:  # fused products, few operators
+            layer = self.decode_layers.layers[index]
+            return layer(step.h, *step.rotary, step.masks[index], step.cache)
+        return self.layers[index](
+            step.h,
+            attention_mask=step.masks[index],
+            position_ids=step.position_ids,
+            cache=step.cache,
+            use_cache=True,
+            position_embeddings=step.rotary,
+        )
+
+    def _sample_step(self, step: _StepInProgress, logits, listener) -> StepResult:
         tokens = []
-        for i, task in enumerate(rows):
-            self._cache(task).filled = [lengths[i] + 1] * len(self.layers)
+        for i, task in enumerate(step.rows):
+            self._cache(task).filled = [step.lengths[i] + 1] * len(self.layers)
             token = sample_next_token(logits[i], task.request.sampling, task.generator)
             task.output_ids.append(token)
             tokens.append(token)
             listener.on_token(task, token)
-        finished = tuple(t for t in rows if self.is_done(t))
+        finished = tuple(t for t in step.rows if self.is_done(t))
         for task in finished:
             self.leave(task)
             self._free(task)
             task.phase = Phase.FINISHED
-        return StepResult(rows, tuple(tokens), logits, finished)
+        return StepResult(step.rows, tuple(tokens), logits, finished)
 
     # ------------------------------------------------------------------ internals
+
+    def _abandon_step(self) -> None:
+        """Drop a stopped step: its rows are about to move. What it wrote (each row's K/V at
+        its next position, in the layers it ran) lies past the row's length, so the mask hides
+        it, and the row's next step writes that position again before attending to it."""
+        self._pending_step = None
 
     def _step_masks(self, positions: torch.Tensor, kv_len: int) -> dict[str, torch.Tensor]:
         """Row i's query (at ``positions[i]``) sees keys 0 .. positions[i], within the window."""

@@ -18,9 +18,11 @@ thread does between commands:
   ``DecodeSlotter`` slots a step in (at a layer boundary) whenever a row would otherwise miss
   its tier's TBT target (``tbt_slo_s``, passed with the request; a row without one gets a step
   between every two prefill runs). Fewer, fuller steps: a step of several rows costs far less
-  than as many steps of one. After a preemption the engine waits for the next command (the
-  beneficiary's assignment) while the rows can spare it;
-  A step is reported as one ``DecodeStepDone`` carrying every row's token;
+  than as many steps of one. A step that is running when prefill work is assigned (after a
+  preemption, the beneficiary's) stops at its next layer boundary and keeps its activations;
+  the prefill goes first, and the step is finished when a row is due or the prefill ends, so
+  the wait for an interruption point is one layer of a step, not the whole step. A step is
+  reported as one ``DecodeStepDone`` carrying every row's token;
 - ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
   counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
   joins it again, and a dropped one recomputes when assigned again, reported as
@@ -67,9 +69,6 @@ from worker.request import GenerationRequest, InvalidRequestError
 from worker.task import Phase, Task
 
 NO_TARGET = float("inf")
-# The longest the engine keeps itself free, after a preemption, for the assignment that follows
-# (a round trip to the queue service); rows that are due sooner get their step first.
-PREEMPTED_WAIT_S = 0.05
 
 
 @dataclass
@@ -145,6 +144,10 @@ class BatchRunner:
         self._head: str | None = None  # its first request
         self._signalled_at = 0.0
         self._stopping = False
+        # Set by a command that brings prefill work: a decode step running then stops at its
+        # next layer boundary (``BatchEngine.decode_step``), so the prefill waits one layer of
+        # the step, not all of it; the step is finished when a row is due or the prefill ends.
+        self._prefill_arrived = threading.Event()
         self.busy = BusyClock()
         self._listener = _Listener(self)  # it reads self.engine and self._entries
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
@@ -168,6 +171,7 @@ class BatchRunner:
         """Queue a request; one this runner holds already (its state was dropped) recomputes."""
         target = NO_TARGET if tbt_slo_s is None else tbt_slo_s
         self._commands.put(("assign", (request, target)))
+        self._prefill_arrived.set()
 
     def assign_packed(
         self, requests: Sequence[GenerationRequest], tbt_slo_s: Sequence[float | None]
@@ -175,9 +179,11 @@ class BatchRunner:
         """Queue several whole prompts to prefill in one forward (one TBT target each)."""
         targets = [NO_TARGET if t is None else t for t in tbt_slo_s]
         self._commands.put(("assign_packed", (tuple(requests), tuple(targets))))
+        self._prefill_arrived.set()
 
     def resume(self, request_id: str) -> None:
         self._commands.put(("resume", request_id))
+        self._prefill_arrived.set()  # a suspended prefill's, or a paused row's (no harm)
 
     def preempt(self, request_id: str, *, drop_state: bool = False) -> bool:
         """Stop the running prefill (or pack) at its next boundary, or pause a decoding request
@@ -220,18 +226,17 @@ class BatchRunner:
     # ------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
-        wait_s = 0.0
         while True:
             busy = bool(self._prefills or self.engine.rows)
-            if not self._apply_commands(block=not busy, timeout=wait_s):
+            if not self._apply_commands(block=not busy):
                 return
-            wait_s = 0.0
             if self._prefills:
-                if self._run_work(self._prefills.pop(0)):
-                    wait_s = self._decode_slack()
+                self._run_work(self._prefills.pop(0))
                 self._admit_rows()
-            if not wait_s and self._step_before_next_prefill():
-                self.slotter.step()
+            if self._step_before_next_prefill():
+                # A prefill assigned meanwhile (after a preemption, the beneficiary's) stops
+                # the step at its next layer boundary.
+                self.slotter.step(stop=self._prefill_arrived.is_set)
                 self._admit_rows()
 
     def _step_before_next_prefill(self) -> bool:
@@ -244,35 +249,23 @@ class BatchRunner:
             return True
         return any(self._tbt_target(task) == NO_TARGET for task in self.engine.rows)
 
-    def _decode_slack(self) -> float:
-        """After a preemption: how long the batch can wait for the next command without a row
-        missing its TBT target. A preemption is made for another request's prefill, whose
-        assignment follows the acknowledgement; a decode step started meanwhile would hold it
-        up (a step is not preemptible). At most ``PREEMPTED_WAIT_S``."""
-        if not self.engine.rows:
-            return 0.0
-        slack = self.slotter.deadline() - time.perf_counter() - self.slotter.step_s
-        return max(0.0, min(PREEMPTED_WAIT_S, slack))
-
-    def _apply_commands(self, *, block: bool, timeout: float = 0.0) -> bool:
-        """Apply queued commands (waiting up to ``timeout`` for the first); False when the
-        runner is stopping."""
+    def _apply_commands(self, *, block: bool) -> bool:
+        """Apply queued commands (``block``: waiting for the first); False when the runner is
+        stopping."""
         while True:
             try:
-                if block:
-                    item = self._commands.get()
-                elif timeout > 0:
-                    item = self._commands.get(timeout=timeout)
-                else:
-                    item = self._commands.get_nowait()
+                item = self._commands.get() if block else self._commands.get_nowait()
             except queue.Empty:
                 return True
+            # Cleared once a command is taken: one put after this sets it again, and one put
+            # before it is taken by this loop, which reads the queue until it is empty.
+            self._prefill_arrived.clear()
             if item is None:
                 self._cancel_all()
                 return False
             kind, arg = item
             getattr(self, f"_on_{kind}")(arg)
-            block, timeout = False, 0.0
+            block = False
 
     def _on_assign(self, arg) -> None:
         request, target = arg
@@ -456,13 +449,12 @@ class BatchRunner:
 
     # ------------------------------------------------------------ one prefill run
 
-    def _run_work(self, work: Work) -> bool:
-        """One prefill run of ``work``; True when a preemption stopped it (or paused what it
-        prefilled)."""
+    def _run_work(self, work: Work) -> None:
+        """One prefill run of ``work``, to its first tokens or until a preemption or cancel."""
         pack = work if isinstance(work, PackedPrefill) else None
         tasks = self._live(pack.tasks) if pack is not None else self._live_one(work)
         if not tasks:
-            return False
+            return
         ids = [t.request_id for t in tasks]
         recompute = pack is None and bool(tasks[0].output_ids)  # a dropped decode, again
         with self._lock:
@@ -490,7 +482,7 @@ class BatchRunner:
             # way the scheduler has freed the request's slot; it must not join the batch.
             for rid in ids:
                 self._on_cancel(rid)
-            return False
+            return
         for task in self._live(tasks):
             self._report(task, pack, outcome, error, now, recompute)
         if signal in (Signal.PREEMPT, Signal.PREEMPT_DROP) and outcome is not None and not stopped:
@@ -501,8 +493,6 @@ class BatchRunner:
             for task in self._live(tasks):
                 if task.phase is Phase.DECODE:
                     self._on_pause((task.request_id, drop))
-            return True
-        return stopped
 
     def _live_one(self, rid: str) -> list[Task]:
         entry = self._entries.get(rid)

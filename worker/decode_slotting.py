@@ -19,6 +19,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import torch
+
 from worker.batch_engine import BatchEngine, StepResult
 from worker.engine import _NO_LISTENER, EngineListener
 from worker.task import Task
@@ -48,6 +50,7 @@ class DecodeSlotter:
         self._last_token_at: dict[str, float] = {}
         self._boundary_at: float | None = None
         self._prefill_target_s = float("inf")  # the running prefill's own TBT target
+        self._stopped_s = 0.0  # the part of a stopped step already run
 
     def joined(self, task: Task, at: float | None = None) -> None:
         """``task`` joined the batch; its TBT counts from its last token (now by default)."""
@@ -64,14 +67,24 @@ class DecodeSlotter:
         self._prefill_target_s = target_s
         self()
 
-    def step(self, *, slotted: bool = False) -> StepResult:
-        """One decode step of the batch, timed; rows that finished are forgotten.
-        ``slotted``: it runs at a boundary of a prefill (said so in the result)."""
+    def step(self, *, slotted: bool = False, stop: Callable[[], bool] | None = None) -> StepResult:
+        """One decode step of the batch (or the rest of one that stopped), timed; rows that
+        finished are forgotten. ``slotted``: it runs at a boundary of a prefill (said so in the
+        result). ``stop``: asked at the step's layer boundaries (``BatchEngine.decode_step``);
+        a step it stops yields a result without rows, and the next call finishes it. Each
+        result's ``seconds`` is that call's time; the step time learnt is the whole step's."""
+        if not self.engine.step_pending:
+            self._stopped_s = 0.0  # nothing to finish (or what was stopped was abandoned)
         started = self.clock()
-        result = self.engine.decode_step(self.listener)
+        result = self.engine.decode_step(self.listener, stop)
         now = self.clock()
+        if result is None:
+            self._stopped_s += now - started
+            result = StepResult((), (), torch.empty(0), (), stopped=True)
+        else:
+            self.step_s = _learn(self.step_s, self._stopped_s + now - started)
+            self._stopped_s = 0.0
         result = dataclasses.replace(result, seconds=now - started, slotted=slotted)
-        self.step_s = _learn(self.step_s, now - started)
         for task in result.tasks:
             self._last_token_at[task.request_id] = now
         for task in result.finished:

@@ -212,6 +212,43 @@ def test_pause_and_resume_stream_each_token_once(tiny_qwen2):
         assert streams.tokens[name] == reference(model, p, 10)[0], name
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_llama", "tiny_qwen2"])
+def test_a_decode_step_stopped_at_every_layer_boundary_resumes_exactly(request, model_fixture):
+    """Each call runs one layer and stops; a row that joins mid-step waits for the next step,
+    and one paused mid-step abandons the step (its rows move), which the next call redoes."""
+    model = request.getfixturevalue(model_fixture).model
+    engine = make_engine(model)
+    channel, streams = PreemptionChannel(), Streams()
+    ids = {n: prompt(15 + 11 * i, 500, seed=50 + i) for i, n in enumerate("abcd")}
+    tasks = {n: engine.new_task(greedy(n, p, 9)) for n, p in ids.items()}
+    for name in "abc":
+        engine.prefill(tasks[name], channel, streams)
+        engine.join(tasks[name])
+    engine.prefill(tasks["d"], channel, streams)
+    stops, step = 0, 0
+    while engine.rows:
+        result = engine.decode_step(streams, stop=lambda: True)
+        if result is None:
+            stops += 1
+            assert engine.step_pending
+            if step == 1 and stops == 1:
+                engine.join(tasks["d"])  # mid-step: the step keeps its rows
+            if step == 3 and stops == 1:
+                assert engine.pause(tasks["b"])  # mid-step: the step is abandoned
+                assert not engine.step_pending
+            if step == 5 and stops == 1:
+                engine.join(tasks["b"])
+            continue
+        step, stops = step + 1, 0
+        assert "d" not in {t.request_id for t in result.tasks} or step > 2
+        streams.record_step(result)
+    for name, p in ids.items():
+        tokens, logits = reference(model, p, 9)
+        assert streams.tokens[name] == tokens, name
+        torch.testing.assert_close(torch.stack(streams.logits[name]), logits, atol=TOL, rtol=0)
+    assert engine.pool.used_slots == 0
+
+
 def test_paused_decode_past_the_cap_recomputes_without_repeating_tokens(tiny_llama):
     model = tiny_llama.model
     engine = make_engine(model, cap=1)

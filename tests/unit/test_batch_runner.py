@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import queue
-from types import SimpleNamespace
 
 import pytest
 
 from tests.unit.test_batch_engine import prompt, reference
 from worker.batch_engine import BatchEngine
-from worker.batch_runner import PREEMPTED_WAIT_S, BatchRunner
+from worker.batch_runner import BatchRunner
 from worker.config import BatchConfig, EngineConfig
 from worker.events import (
     Cancelled,
@@ -69,6 +68,11 @@ def tokens_of(event) -> list[tuple[str, int, int]]:
     if isinstance(event, DecodeStepDone):
         return list(zip(event.request_ids, event.tokens, event.indexes, strict=True))
     return []
+
+
+def tokens_made(step: DecodeStepDone) -> set[tuple[str, int]]:
+    """(request id, index) of every token a step made."""
+    return set(zip(step.request_ids, step.indexes, strict=True))
 
 
 def collect_tokens(events) -> dict[str, list[int]]:
@@ -319,18 +323,43 @@ def test_while_prefills_wait_the_batch_steps_only_for_rows_that_are_due(
     assert any(isinstance(e, DecodeStepDone) for e in between) is steps_between_prefills
 
 
-def test_after_a_preemption_the_engine_waits_for_the_next_command_only_while_rows_can_spare_it():
-    """The wait is bounded by PREEMPTED_WAIT_S and by the earliest row's TBT deadline less a
-    step (a row that is due gets its step first); with no rows there is nothing to wait for."""
-    engine = SimpleNamespace(rows=[])
-    runner = BatchRunner(engine, lambda event: None)  # not started: only its arithmetic
-    assert runner._decode_slack() == 0.0
-    row = SimpleNamespace(request_id="r")
-    engine.rows = [row]
-    runner.slotter.joined(row)
-    runner.slotter.tbt_target_s = lambda task: 10.0
-    assert runner._decode_slack() == PREEMPTED_WAIT_S
-    runner.slotter.step_s = 9.99  # its next step must start within about 10 ms
-    assert runner._decode_slack() <= 0.01
-    runner.slotter.tbt_target_s = lambda task: 0.001  # already due
-    assert runner._decode_slack() == 0.0
+def test_a_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_the_step(tiny_llama):
+    """The assignment arrives while a step of both rows is inside its second layer (sent from
+    the engine thread, so no timing is involved): the step stops at the next layer boundary,
+    the new prefill's first token comes out, then the step finishes with its own rows; every
+    token is the model's own."""
+    model = tiny_llama.model
+    stream = Stream()
+    runner = start(model, stream)
+    engine = runner.engine
+    ids = {name: prompt(20 + 7 * i, 500, seed=60 + i) for i, name in enumerate(["d1", "d2", "c"])}
+    layer = engine._decode_layer
+    fired: list[int] = []
+
+    def assign_inside_a_step_of_both(index, step):
+        if index == 1 and not fired and len(step.rows) == 2:
+            d1 = next(t for t in step.rows if t.request_id == "d1")
+            fired.append(len(d1.output_ids))  # the index of the token this step makes for it
+            runner.assign(greedy("c", ids["c"], 4))
+        return layer(index, step)
+
+    engine._decode_layer = assign_inside_a_step_of_both
+    try:
+        for name in ("d1", "d2"):
+            runner.assign(greedy(name, ids[name], 8))
+        events = drain(stream, ["d1", "d2", "c"])
+    finally:
+        runner.stop()
+    assert len(fired) == 1
+    first_c = next(
+        i for i, e in enumerate(events) if isinstance(e, FirstToken) and e.request_id == "c"
+    )
+    stopped_step = next(
+        i for i, e in enumerate(events)
+        if isinstance(e, DecodeStepDone) and ("d1", fired[0]) in tokens_made(e)
+    )  # fmt: skip
+    assert first_c < stopped_step
+    assert "c" not in events[stopped_step].request_ids  # it joined after the step began
+    tokens = collect_tokens(events)
+    for name, n in (("d1", 8), ("d2", 8), ("c", 4)):
+        assert tokens[name] == reference(model, ids[name], n)[0], name

@@ -21,10 +21,12 @@ class Row:
 class FakeBatch:
     """Rows that never finish; each step takes ``step_s`` of the fake clock."""
 
+    step_pending = False  # its steps never stop part-way
+
     def __init__(self, clock: list[float], rows: list[Row], step_s: float = 0.02) -> None:
         self.clock, self.rows, self.step_s, self.steps = clock, rows, step_s, 0
 
-    def decode_step(self, listener) -> StepResult:
+    def decode_step(self, listener, stop=None) -> StepResult:
         self.clock[0] += self.step_s
         self.steps += 1
         rows = tuple(self.rows)
