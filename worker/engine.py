@@ -93,6 +93,19 @@ class _NoListener:
 _NO_LISTENER = _NoListener()
 
 
+def _boundary(channel: PreemptionChannel | None, between: BetweenLayers | None) -> bool:
+    """At an interruption point: True when the prefill must stop here. The channel is read
+    first (``None``: this point is not checked), so a decode step never delays a stop; then
+    the hook runs (a decode step slotted in, when one is due), and the channel is read again:
+    a signal that came during that step stops here, not one block later."""
+    if channel is not None and channel.signal is not None:
+        return True
+    if between is None:
+        return False
+    between()
+    return channel is not None and channel.signal is not None
+
+
 class PrefillEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -258,10 +271,9 @@ class PrefillEngine:
                     self._emit_first_token(task, h, listener)
                 return None
             listener.on_chunk_done(task, task.chunks[state.chunk][0])
-            if check_chunks and channel.signal is not None:
+            # A chunk end is a layer boundary too.
+            if _boundary(channel if check_chunks else None, between_layers):
                 return self._stop(task, channel)
-            if between_layers is not None:  # a chunk end is a layer boundary too
-                between_layers()
         raise AssertionError("unreachable: prefill loop ended without emitting the first token")
 
     def _run_layers(
@@ -307,11 +319,9 @@ class PrefillEngine:
                         state.hidden, state.layer = h, layer_idx
                         return None
                     h = out
-                    if check_halves and channel.signal is not None:
+                    if _boundary(channel if check_halves else None, between_layers):
                         state.hidden, state.layer, state.half = h, layer_idx, 1
                         return None
-                    if between_layers is not None:
-                        between_layers()
                 out = self._mlp_half(layer, h, state, planner, stop, between_layers)
                 if out is None:
                     state.hidden, state.layer, state.half = h, layer_idx, 1
@@ -332,11 +342,9 @@ class PrefillEngine:
             if layer_idx < n_layers:
                 if report_every and layer_idx % report_every == 0:
                     report(layer_idx)
-                if check_layers and channel.signal is not None:
+                if _boundary(channel if check_layers else None, between_layers):
                     state.hidden, state.layer = h, layer_idx
                     return None
-                if between_layers is not None:
-                    between_layers()
         return h
 
     def is_done(self, task: Task) -> bool:
@@ -399,21 +407,18 @@ class PrefillEngine:
         between: BetweenLayers | None,
     ) -> torch.Tensor | None:
         """One operator over its rows, in the blocks ``planner`` sizes (whole when it is None),
-        from ``state.rows_done``. Between two blocks: the channel's check (``stop``: None when
-        stops are not time-bounded), then the hook. Returns the operator's output, or None when
-        stopped; ``state`` then keeps the rows done and their output."""
+        from ``state.rows_done``. Between two blocks: ``_boundary`` (``stop``: None when stops
+        are not time-bounded). Returns the operator's output, or None when stopped; ``state``
+        then keeps the rows done and their output."""
         if planner is None:
             return block(0, rows)
         a, out = state.rows_done, state.partial
         entered = a
         clock = self._block_clock
         while a < rows:
-            if a > entered:
-                if stop is not None and stop.signal is not None:
-                    state.rows_done, state.partial = a, out
-                    return None
-                if between is not None:
-                    between()
+            if a > entered and _boundary(stop, between):
+                state.rows_done, state.partial = a, out
+                return None
             b = a + planner.rows(operator, past_keys + a, rows - a)
             clock.start()
             y = block(a, b)

@@ -205,6 +205,32 @@ def test_a_cancel_between_blocks_stops_there_and_frees_the_slot(tiny_llama):
     assert task.state is None and engine.pool.used_slots == 0 and engine.suspended_bytes == 0
 
 
+@pytest.mark.parametrize("boundary", [2, 3, 6], ids=["in-attention", "after-attention", "later"])
+def test_a_preempt_during_a_slotted_step_stops_at_that_boundary(tiny_llama, boundary):
+    """The hook (a decode step slotted in) raises the flag at one boundary: no block runs
+    after it. Before, the check came only before the hook, so the prefill ran one more block."""
+    model = tiny_llama.model
+    engine = engine_for(model, chunk_size=None, check="block", block_rows=16)
+    channel = PreemptionChannel()
+    blocks, hooks = [], []
+    start = engine._block_clock.start
+
+    def counted_start():
+        blocks.append(1)
+        start()
+
+    def step_that_the_flag_comes_during():
+        hooks.append(len(blocks))
+        if len(hooks) == boundary:
+            channel.preempt()
+
+    engine._block_clock.start = counted_start
+    task = engine.new_task(GenerationRequest("p", prompt(40, model.config.vocab_size, 4)))
+    outcome = engine.prefill(task, channel, between_layers=step_that_the_flag_comes_during)
+    assert outcome.status is RunStatus.PREEMPTED
+    assert len(hooks) == boundary and len(blocks) == hooks[-1]
+
+
 def test_operators_run_whole_without_a_budget_or_a_hook(tiny_llama):
     """check="layer" keeps the layer modules' own forward: one call per layer and chunk."""
     model = tiny_llama.model
