@@ -8,15 +8,19 @@ policy must preempt; anti-thrash bound and aging via ``Rules.preemptible``):
 - a prefill that would miss its TTFT deadline because of the decode steps slotted into it, and
   would make it without the lower tiers' rows, pauses the decode of every lower tier on its
   worker (their KV stays; the policy's ``drop_state`` decides, as for prefills); they resume
-  when no such prefill is left there. A pause that cannot save the deadline (the prefill is
-  late even without those rows, or a row of its own tier or above sets the same slotting) is
-  not made: it would cost the lower tiers their tokens and buy nothing;
+  when no such prefill is left there. Only rows the worker would step inside that prefill
+  count: those whose TBT target is as tight as the prefill's own tier's (a looser row waits for
+  the prefill's end on the worker anyway, so pausing it buys nothing, and a pause costs the
+  engine a copy of the row's cache, 0.1 s for a long one). A pause that cannot save the deadline
+  (the prefill is late even without those rows, or a row of its own tier or above sets the same
+  slotting) is not made: it would cost the lower tiers their tokens and buy nothing;
 - a waiting request that finds a worker's prefill free but all its KV slots held drops the
   state of one decoding request of a lower tier there (the lowest tier, then the newest), which
   recomputes later without sending any token twice.
 
 A prefill on a batched worker is slowed by the decode steps slotted into it: about one step
-(whose time the worker reports, ``DecodeStepDone``) per TBT target of its tightest decoding row.
+(whose time the worker reports, ``DecodeStepDone``) per TBT target of its tightest decoding row
+among those as tight as its own tier's.
 Whether it is at risk is judged with that slowdown, counting the paused rows as well (they come
 back), so that pausing them does not by itself flip the verdict and resume them at once.
 
@@ -25,6 +29,7 @@ Pure functions over the scheduler's records; the scheduler turns their answers i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from queue_service.scheduler.planner import Estimator, Rules
@@ -42,16 +47,24 @@ MAX_SLOTTED_SHARE = 0.9
 
 
 def slotting_slowdown(
-    worker: WorkerSlot, requests: Mapping[str, Request], up_to_rank: int | None = None
+    worker: WorkerSlot,
+    requests: Mapping[str, Request],
+    within_s: float = math.inf,
+    up_to_rank: int | None = None,
 ) -> float:
     """How many times longer a prefill takes on ``worker`` with its decode rows (decoding or
-    paused; with ``up_to_rank``, only those of that tier rank or more important) slotted into
-    it: one step every TBT target of the tightest of them."""
+    paused) slotted into it: one step every TBT target of the tightest of them. Only rows whose
+    target is within ``within_s`` count (the worker steps no other row inside a prefill whose
+    own target that is: ``worker.decode_slotting``); with ``up_to_rank``, only rows of that
+    tier rank or more important."""
     rows = (requests[r] for r in (*worker.decoding, *worker.suspended) if r in requests)
     targets = [
         r.tier.tbt_slo_s
         for r in rows
-        if r.prefilled and r.tier.tbt_slo_s and (up_to_rank is None or r.tier.rank <= up_to_rank)
+        if r.prefilled
+        and r.tier.tbt_slo_s
+        and r.tier.tbt_slo_s <= within_s
+        and (up_to_rank is None or r.tier.rank <= up_to_rank)
     ]
     if not targets or worker.decode_step_s <= 0:
         return 1.0
@@ -76,10 +89,10 @@ def _risky_rank(worker: WorkerSlot, requests: Mapping[str, Request], estimator, 
     active = requests.get(worker.active) if worker.active else None
     if active is None or active.state is not RequestState.RUNNING:
         return NO_RANK
-    rank = active.tier.rank
-    if not at_risk(active, estimator, now, slotting_slowdown(worker, requests)):
+    rank, within = active.tier.rank, active.tier.tbt_slo_s or math.inf
+    if not at_risk(active, estimator, now, slotting_slowdown(worker, requests, within)):
         return NO_RANK
-    kept = slotting_slowdown(worker, requests, up_to_rank=rank)
+    kept = slotting_slowdown(worker, requests, within, up_to_rank=rank)
     return NO_RANK if at_risk(active, estimator, now, kept) else rank
 
 

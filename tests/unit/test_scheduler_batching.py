@@ -72,12 +72,14 @@ def test_full_kv_slots_drop_the_newest_lowest_tier_decode_for_a_higher_tier():
 SLOTTED_TIERS = TierTable([replace(t, tbt_slo_s=0.5) for t in TIERS])
 
 
-def slotting(kv_slots: int = 4, step_s: float = 0.25) -> Scheduler:
+def slotting(
+    kv_slots: int = 4, step_s: float = 0.25, tiers: TierTable = SLOTTED_TIERS
+) -> Scheduler:
     """A flowprefill scheduler whose worker has learnt a decode step of ``step_s``: with the
     0.5 s TBT targets a prefill runs 1 / (1 - step_s / 0.5) times slower while rows decode."""
     sched = Scheduler(
         make_policy("flowprefill"),
-        SLOTTED_TIERS,
+        tiers,
         PrefillTimePredictor(a=1e-3, b=0.0, c=0.0),  # 1000 tokens = 1 s
         SchedulerConfig(refit_predictor=False),
     )
@@ -121,6 +123,20 @@ def test_a_pause_that_cannot_save_the_deadline_is_not_made():
     assert first_token(sched, "k", 0.1) == []
     lower_tiers_decoding(sched)
     assert arrive(sched, "c", "critical", 450, 0.3) == [Assign("c", "w0")]
+    assert sched.counters.get("decode_pauses", 0) == 0
+
+
+def test_rows_whose_target_is_looser_than_the_prefills_are_never_paused_for_it():
+    """The worker steps no row inside a prefill whose tier's TBT target is tighter than the
+    row's (worker.decode_slotting): with config/tiers.toml's targets (critical 0.4 s, standard
+    1 s, batch 5 s) the lower tiers' rows cannot slow a critical prefill, so pausing them
+    (a copy of each row's cache on the worker) would buy nothing."""
+    targets = {"critical": 0.4, "standard": 1.0, "batch": 5.0}
+    sched = slotting(tiers=TierTable([replace(t, tbt_slo_s=targets[t.name]) for t in TIERS]))
+    lower_tiers_decoding(sched)
+    # 700 tokens: 0.84 s with the margin, on time for the 1 s SLO; 1.12 s if the standard
+    # row's steps (one per second) were slotted in, which they are not.
+    assert arrive(sched, "c", "critical", 700, 0.3) == [Assign("c", "w0")]
     assert sched.counters.get("decode_pauses", 0) == 0
 
 
