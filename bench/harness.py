@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bench.event_log import EventLog
 from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.core.dispatcher import Dispatcher
 from queue_service.scheduler import (
@@ -98,35 +99,48 @@ class RunResult:
 
 
 class InProcessWorker:
-    """A ``WorkerHandle`` over an engine runner in this process."""
+    """A ``WorkerHandle`` over an engine runner in this process; each command is logged to
+    ``log`` when one is given (``bench.event_log``)."""
 
     def __init__(
         self,
         runner: BatchRunner,
         request_for: Callable[[str], GenerationRequest],
         tbt_for: Callable[[str], float | None] = lambda request_id: None,
+        log: EventLog | None = None,
     ):
         self.runner = runner
         self.request_for = request_for
         self.tbt_for = tbt_for
+        self.log = log
+
+    def _logged(self, command: str, *request_ids: str) -> None:
+        if self.log is not None:
+            self.log.command(command, list(request_ids))
 
     def assign(self, request_id: str) -> None:
+        self._logged("assign", request_id)
         self.runner.assign(self.request_for(request_id), self.tbt_for(request_id))
 
     def assign_packed(self, request_ids: tuple[str, ...]) -> None:
+        self._logged("assign_packed", *request_ids)
         requests = [self.request_for(rid) for rid in request_ids]
         self.runner.assign_packed(requests, [self.tbt_for(rid) for rid in request_ids])
 
     def pause_decode(self, request_id: str, drop_state: bool) -> None:
+        self._logged("pause_decode", request_id)
         self.runner.pause_decode(request_id, drop_state=drop_state)
 
     def resume(self, request_id: str) -> None:
+        self._logged("resume", request_id)
         self.runner.resume(request_id)
 
     def preempt(self, request_id: str, drop_state: bool) -> None:
+        self._logged("preempt", request_id)
         self.runner.preempt(request_id, drop_state=drop_state)
 
     def cancel(self, request_id: str) -> None:
+        self._logged("cancel", request_id)
         self.runner.cancel(request_id)
 
 
@@ -192,7 +206,8 @@ def scheduler_event(worker_id: str, event: RunnerEvent) -> Event | None:
 class _Run:
     """One replay: the records it fills and the loop that drives the dispatcher."""
 
-    def __init__(self, scheduler, engines, workload, vocab_size, on_progress) -> None:
+    def __init__(self, scheduler, engines, workload, vocab_size, on_progress, log) -> None:
+        self.log: EventLog | None = log
         self.events: queue.Queue = queue.Queue()
         self.records = {a.request_id: RequestRecord(a) for a in workload.arrivals}
         self.result = RunResult(scheduler.policy.name, self.records)
@@ -233,7 +248,7 @@ class _Run:
     def loop(self, max_idle_s: float) -> None:
         for worker_id, runner in self.runners.items():
             runner.start()
-            handle = InProcessWorker(runner, self.request, self.tbt_slo_s)
+            handle = InProcessWorker(runner, self.request, self.tbt_slo_s, self.log)
             engine = runner.engine.config
             budget_ms = engine.preempt_budget_ms if engine.check == "block" else None
             self.dispatcher.worker_joined(
@@ -269,6 +284,10 @@ class _Run:
 
     def _arrive(self, arrival: Arrival) -> None:
         self.records[arrival.request_id].arrived_at = self.start + arrival.at_s
+        if self.log is not None:
+            self.log.arrival(
+                arrival.request_id, arrival.tier, arrival.prompt_tokens, self.start + arrival.at_s
+            )
         self.dispatcher.handle(
             RequestArrived(
                 arrival.request_id,
@@ -280,6 +299,8 @@ class _Run:
         )
 
     def _record(self, event: RunnerEvent) -> None:
+        if self.log is not None:
+            self.log.event(event)
         if isinstance(event, runner_events.DecodeStepDone):
             self._record_step(event)
             return
@@ -330,8 +351,10 @@ def run_policy(
     vocab_size: int,
     on_progress: Callable[[], None] = lambda: None,
     max_idle_s: float = 600.0,
+    event_log: EventLog | None = None,
 ) -> RunResult:
-    run = _Run(scheduler, engines, workload, vocab_size, on_progress)
+    """``event_log``: where to write the run's timeline (``bench.event_log``), if anywhere."""
+    run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log)
     try:
         run.loop(max_idle_s)
     finally:

@@ -25,6 +25,7 @@ from rich.progress import Progress
 
 from bench import slo_curves, slo_sweep, sustained
 from bench.calibrate import DEFAULT_LENGTHS, calibrate
+from bench.event_log import EventLog
 from bench.harness import run_policy
 from bench.metrics import summarise
 from bench.report import (
@@ -85,6 +86,9 @@ class PolicyBenchConfig:
     max_batch_size: int = BatchConfig.max_batch_size
     max_new_tokens: int = BATCHED_MAX_NEW_TOKENS
     smoke: bool = False  # a quick run: said in the output and the JSON
+    # A timeline of every policy run (bench.event_log), one file each here; read by
+    # `tierflow misses`.
+    event_log_dir: Path | None = None
 
     @classmethod
     def quick(cls, **overrides) -> PolicyBenchConfig:
@@ -180,13 +184,19 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
             scheduler_cfg,
         )
         probe_ms = speed_probe_ms(model)
-        result = run_policy(
-            scheduler,
-            engines,
-            workload,
-            vocab_size=model.config.vocab_size,
-            on_progress=lambda b=bar: progress.advance(b),
-        )
+        log = _event_log(cfg, label, name)
+        try:
+            result = run_policy(
+                scheduler,
+                engines,
+                workload,
+                vocab_size=model.config.vocab_size,
+                on_progress=lambda b=bar: progress.advance(b),
+                event_log=log,
+            )
+        finally:
+            if log is not None:
+                log.close()
         progress.update(bar, completed=len(workload.arrivals))
         summaries[name] = summarise(result, tiers, scheduler_cfg.starvation_s)
         summaries[name]["engine"] = {
@@ -198,6 +208,14 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
         summaries[name]["run_position"] = position
         summaries[name]["speed_probe_ms"] = probe_ms
     return {name: summaries[name] for name in cfg.policies}
+
+
+def _event_log(cfg: PolicyBenchConfig, label: str, policy: str) -> EventLog | None:
+    """The timeline file of one policy run (``label``: the run's, e.g. "seed 0 x0.25 ")."""
+    if cfg.event_log_dir is None:
+        return None
+    stem = "_".join([*label.split(), policy])
+    return EventLog(cfg.event_log_dir / f"{stem}.jsonl")
 
 
 def run_policy_bench(

@@ -110,6 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.sustained_seeds
         else None,
         "sustained_min_critical": args.min_critical,
+        "event_log_dir": args.event_log,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
@@ -270,7 +271,9 @@ def _demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_engine_bench, _add_bench, _add_pool, _add_calibrate, _add_up, _add_down):
+    for add in (_add_engine_bench, _add_bench, _add_pool, _add_misses, _add_calibrate):
+        add(sub)
+    for add in (_add_up, _add_down):
         add(sub)
     _add_generate(sub)
     _add_protoset(sub)
@@ -408,6 +411,10 @@ def _add_bench(sub) -> None:
         "--stack", action="store_true",
         help="also run the workload through the local services and report the TTFT they add",
     )  # fmt: skip
+    b.add_argument(
+        "--event-log", type=Path, metavar="DIR",
+        help="write each policy run's timeline here, one JSONL file a run (`tierflow misses`)",
+    )  # fmt: skip
     b.add_argument("--json", type=Path)
     b.add_argument("--plot", type=Path)
     b.set_defaults(func=_bench)
@@ -461,6 +468,31 @@ def _add_pool(sub) -> None:
     s.add_argument("--json", type=Path, help="write the pooled results here")
     s.add_argument("--plot", type=Path, help="write a PNG here")
     s.set_defaults(func=_pool)
+
+
+def _add_misses(sub) -> None:
+    m = sub.add_parser(
+        "misses",
+        help="what each request of a tier that missed its TTFT SLO waited for, from a "
+        "`tierflow bench --event-log` timeline",
+    )
+    m.add_argument("log", type=Path, help="one JSONL file of `tierflow bench --event-log`")
+    m.add_argument("--tier", default="critical")
+    m.add_argument("--tiers", type=Path, help="the tiers file of the run (its SLO; default ours)")
+    m.set_defaults(func=_misses)
+
+
+def _misses(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from bench.misses import report
+    from tierflow.tiers import load_tiers
+
+    tiers = load_tiers(args.tiers)
+    if args.tier not in tiers:
+        raise SystemExit(f"unknown tier {args.tier!r}; known: {', '.join(tiers.names)}")
+    report(args.log, args.tier, tiers[args.tier].ttft_slo_s, Console())
+    return 0
 
 
 def _add_calibrate(sub) -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import time
 
 import pytest
 import torch
+from rich.console import Console
 
+from bench.event_log import EventLog, read
 from bench.harness import run_policy
+from bench.misses import report, waits
 from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.scheduler import PrefillTimePredictor, Scheduler, SchedulerConfig, make_policy
 from queue_service.scheduler.policies import ABLATIONS
@@ -190,3 +194,36 @@ def test_a_batched_worker_decodes_requests_together_and_streams_each_token_once(
             logits = model(torch.tensor([prompt_ids(a, vocab)])).logits[0, -1]
             assert result.records[a.request_id].first_token == int(logits.argmax()), a
     assert engine.pool.used_slots == 0 and engine.suspended_bytes == 0
+
+
+def test_the_event_log_tells_what_a_missed_request_waited_for(tiny_llama, tmp_path):
+    """The run of the first test with its timeline written (`tierflow bench --event-log`):
+    `tierflow misses` finds the critical request's preemption and the batch request's."""
+    model = tiny_llama.model
+    batch = Arrival(0.0, "batch-1", "batch", prompt_tokens=1500)
+    critical = Arrival(0.4, "crit-1", "critical", prompt_tokens=24)
+    workload = Workload("one batch, one critical", (batch, critical))
+    scheduler = Scheduler(
+        make_policy("flowprefill"), TIERS, PrefillTimePredictor(a=10.0 / 1500, b=0.0, c=0.0)
+    )
+    engine = BatchEngine(model, EngineConfig(chunk_size=256, check="layer"))
+    log = EventLog(tmp_path / "run.jsonl")
+    slow = SlowLayers(model, 0.03)
+    try:
+        result = run_policy(
+            scheduler, [engine], workload, vocab_size=model.config.vocab_size, event_log=log
+        )
+    finally:
+        slow.remove()
+        log.close()
+    (wait,) = waits(read(log.path), "critical")
+    record = result.records["crit-1"]
+    assert wait.request_id == "crit-1" and wait.prompt_tokens == 24
+    assert wait.ttft_s == pytest.approx(record.ttft_s, abs=1e-6)
+    assert len(wait.preempt_acks_s) == 1 and wait.preempt_acks_s[0] > 0
+    assert wait.preempt_acks_s[0] <= wait.to_assign_s < wait.ttft_s
+    assert wait.first_before == ()  # the batch request's first token came after
+    (batch_wait,) = waits(read(log.path), "batch")
+    assert "crit-1" in batch_wait.first_before
+    missed = report(log.path, "critical", 0.0, Console(width=200, file=io.StringIO()))
+    assert [w.request_id for w in missed] == ["crit-1"]

@@ -1,0 +1,58 @@
+"""A replay's timeline, one JSON line per step: where a request's milliseconds went.
+
+``tierflow bench --event-log DIR`` writes one file per policy run: every arrival (with the time
+it was due), every command the dispatcher gave a worker (assign, preempt, pause, resume,
+cancel) and every event a runner emitted (progress, first token, decode step, preemption
+acknowledged, done), each with its ``perf_counter`` time. ``bench.misses`` reads it back and
+says, per request that missed its SLO, what it waited for.
+
+Fields: ``t`` (when it was logged), ``kind`` (``arrive`` / ``command`` / ``event``), and then
+the arrival's fields; ``command`` and ``request_ids``; or ``event`` (the runner event's class)
+and its fields, whose own ``at`` is when the engine thread made it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class EventLog:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = path.open("w", encoding="utf-8")
+
+    def arrival(self, request_id: str, tier: str, prompt_tokens: int, due_at: float) -> None:
+        self._write("arrive", request_id=request_id, tier=tier, prompt_tokens=prompt_tokens,
+                    at=due_at)  # fmt: skip
+
+    def command(self, command: str, request_ids: list[str]) -> None:
+        self._write("command", command=command, request_ids=request_ids)
+
+    def event(self, event: Any) -> None:
+        fields = {
+            f.name: _plain(getattr(event, f.name))
+            for f in dataclasses.fields(event)
+            if f.name not in ("tokens", "output_ids", "resume_point")
+        }
+        self._write("event", event=type(event).__name__, **fields)
+
+    def _write(self, kind: str, **fields: Any) -> None:
+        record = {"t": time.perf_counter(), "kind": kind, **fields}
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def read(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as lines:
+        return [json.loads(line) for line in lines if line.strip()]
