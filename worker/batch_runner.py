@@ -18,8 +18,9 @@ thread does between commands:
   ``DecodeSlotter`` slots a step in (at a layer boundary) whenever a row would otherwise miss
   its tier's TBT target (``tbt_slo_s``, passed with the request; a row without one gets a step
   between every two prefill runs). Fewer, fuller steps: a step of several rows costs far less
-  than as many steps of one. A step that is running when prefill work is assigned (after a
-  preemption, the beneficiary's) stops at its next layer boundary and keeps its activations;
+  than as many steps of one. A step that is running when a more urgent prefill is assigned
+  (a tighter TBT target than every row's; after a preemption, the beneficiary's) stops at its
+  next layer boundary and keeps its activations;
   the prefill goes first, and the step is finished when a row is due or the prefill ends, so
   the wait for an interruption point is one layer of a step, not the whole step. A step is
   reported as one ``DecodeStepDone`` carrying every row's token;
@@ -144,10 +145,12 @@ class BatchRunner:
         self._head: str | None = None  # its first request
         self._signalled_at = 0.0
         self._stopping = False
-        # Set by a command that brings prefill work: a decode step running then stops at its
-        # next layer boundary (``BatchEngine.decode_step``), so the prefill waits one layer of
-        # the step, not all of it; the step is finished when a row is due or the prefill ends.
-        self._prefill_arrived = threading.Event()
+        # The tightest TBT target of the prefill work assigned since the engine thread last
+        # read the commands: a decode step whose rows all have looser targets stops at its next
+        # layer boundary for it (``BatchEngine.decode_step``), so a higher tier's prefill waits
+        # one layer of the step, not all of it; the step is finished when a row is due or the
+        # prefill ends. A step of rows as urgent goes on (the prefill would not go first).
+        self._arrived_target = NO_TARGET
         self.busy = BusyClock()
         self._listener = _Listener(self)  # it reads self.engine and self._entries
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
@@ -171,7 +174,7 @@ class BatchRunner:
         """Queue a request; one this runner holds already (its state was dropped) recomputes."""
         target = NO_TARGET if tbt_slo_s is None else tbt_slo_s
         self._commands.put(("assign", (request, target)))
-        self._prefill_arrived.set()
+        self._arrived(target)
 
     def assign_packed(
         self, requests: Sequence[GenerationRequest], tbt_slo_s: Sequence[float | None]
@@ -179,11 +182,15 @@ class BatchRunner:
         """Queue several whole prompts to prefill in one forward (one TBT target each)."""
         targets = [NO_TARGET if t is None else t for t in tbt_slo_s]
         self._commands.put(("assign_packed", (tuple(requests), tuple(targets))))
-        self._prefill_arrived.set()
+        self._arrived(min(targets, default=NO_TARGET))
 
     def resume(self, request_id: str) -> None:
         self._commands.put(("resume", request_id))
-        self._prefill_arrived.set()  # a suspended prefill's, or a paused row's (no harm)
+        self._arrived(self._target_of(request_id))  # a suspended prefill's, or a paused row's
+
+    def _arrived(self, target: float) -> None:
+        with self._lock:
+            self._arrived_target = min(self._arrived_target, target)
 
     def preempt(self, request_id: str, *, drop_state: bool = False) -> bool:
         """Stop the running prefill (or pack) at its next boundary, or pause a decoding request
@@ -234,9 +241,10 @@ class BatchRunner:
                 self._run_work(self._prefills.pop(0))
                 self._admit_rows()
             if self._step_before_next_prefill():
-                # A prefill assigned meanwhile (after a preemption, the beneficiary's) stops
-                # the step at its next layer boundary.
-                self.slotter.step(stop=self._prefill_arrived.is_set)
+                # A more urgent prefill assigned meanwhile (after a preemption, the
+                # beneficiary's) stops the step at its next layer boundary.
+                rows = min(map(self._tbt_target, self.engine.rows), default=NO_TARGET)
+                self.slotter.step(stop=lambda rows=rows: self._arrived_target < rows)
                 self._admit_rows()
 
     def _step_before_next_prefill(self) -> bool:
@@ -257,9 +265,10 @@ class BatchRunner:
                 item = self._commands.get() if block else self._commands.get_nowait()
             except queue.Empty:
                 return True
-            # Cleared once a command is taken: one put after this sets it again, and one put
-            # before it is taken by this loop, which reads the queue until it is empty.
-            self._prefill_arrived.clear()
+            # Reset once a command is taken: a put after this sets it again, and a put before
+            # it is taken by this loop, which reads the queue until it is empty.
+            with self._lock:
+                self._arrived_target = NO_TARGET
             if item is None:
                 self._cancel_all()
                 return False

@@ -323,11 +323,15 @@ def test_while_prefills_wait_the_batch_steps_only_for_rows_that_are_due(
     assert any(isinstance(e, DecodeStepDone) for e in between) is steps_between_prefills
 
 
-def test_a_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_the_step(tiny_llama):
-    """The assignment arrives while a step of both rows is inside its second layer (sent from
-    the engine thread, so no timing is involved): the step stops at the next layer boundary,
-    the new prefill's first token comes out, then the step finishes with its own rows; every
-    token is the model's own."""
+@pytest.mark.parametrize(("target_s", "goes_first"), [(0.4, True), (5.0, False)],
+                         ids=["tighter", "as-loose"])  # fmt: skip
+def test_a_more_urgent_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_it(
+    tiny_llama, target_s, goes_first
+):
+    """The assignment arrives while a step of both rows (TBT target 5 s) is inside its second
+    layer (sent from the engine thread, so no timing is involved). A prefill of a tighter
+    target stops the step at the next layer boundary: its first token comes out, then the step
+    finishes with its own rows. One as loose waits for the step. Every token is the model's."""
     model = tiny_llama.model
     stream = Stream()
     runner = start(model, stream)
@@ -340,13 +344,13 @@ def test_a_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_the_ste
         if index == 1 and not fired and len(step.rows) == 2:
             d1 = next(t for t in step.rows if t.request_id == "d1")
             fired.append(len(d1.output_ids))  # the index of the token this step makes for it
-            runner.assign(greedy("c", ids["c"], 4))
+            runner.assign(greedy("c", ids["c"], 4), tbt_slo_s=target_s)
         return layer(index, step)
 
     engine._decode_layer = assign_inside_a_step_of_both
     try:
         for name in ("d1", "d2"):
-            runner.assign(greedy(name, ids[name], 8))
+            runner.assign(greedy(name, ids[name], 8), tbt_slo_s=5.0)
         events = drain(stream, ["d1", "d2", "c"])
     finally:
         runner.stop()
@@ -358,7 +362,7 @@ def test_a_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_the_ste
         i for i, e in enumerate(events)
         if isinstance(e, DecodeStepDone) and ("d1", fired[0]) in tokens_made(e)
     )  # fmt: skip
-    assert first_c < stopped_step
+    assert (first_c < stopped_step) is goes_first
     assert "c" not in events[stopped_step].request_ids  # it joined after the step began
     tokens = collect_tokens(events)
     for name, n in (("d1", 8), ("d2", 8), ("c", 4)):
