@@ -18,8 +18,8 @@ thread does between commands:
   ``DecodeSlotter`` slots a step in (at a layer boundary) whenever a row would otherwise miss
   its tier's TBT target (``tbt_slo_s``, passed with the request; a row without one gets a step
   between every two prefill runs). Fewer, fuller steps: a step of several rows costs far less
-  than as many steps of one. A step that is running when a more urgent prefill is assigned
-  (a tighter TBT target than every row's; after a preemption, the beneficiary's) stops at its
+  than as many steps of one. A step that is running when a prefill of a TBT target at least
+  as tight as every row's is assigned (after a preemption, the beneficiary's) stops at its
   next layer boundary and keeps its activations;
   the prefill goes first, and the step is finished when a row is due or the prefill ends, so
   the wait for an interruption point is one layer of a step, not the whole step. A step is
@@ -146,10 +146,10 @@ class BatchRunner:
         self._signalled_at = 0.0
         self._stopping = False
         # The tightest TBT target of the prefill work assigned since the engine thread last
-        # read the commands: a decode step whose rows all have looser targets stops at its next
-        # layer boundary for it (``BatchEngine.decode_step``), so a higher tier's prefill waits
-        # one layer of the step, not all of it; the step is finished when a row is due or the
-        # prefill ends. A step of rows as urgent goes on (the prefill would not go first).
+        # read the commands: a decode step none of whose rows has a tighter target stops at its
+        # next layer boundary for it (``_stops_for``, ``BatchEngine.decode_step``), so a
+        # prefill of a tier at least as high waits one layer of the step, not all of it; the
+        # step is finished when a row is due or the prefill ends.
         self._arrived_target = NO_TARGET
         self.busy = BusyClock()
         self._listener = _Listener(self)  # it reads self.engine and self._entries
@@ -244,8 +244,16 @@ class BatchRunner:
                 # A more urgent prefill assigned meanwhile (after a preemption, the
                 # beneficiary's) stops the step at its next layer boundary.
                 rows = min(map(self._tbt_target, self.engine.rows), default=NO_TARGET)
-                self.slotter.step(stop=lambda rows=rows: self._arrived_target < rows)
+                self.slotter.step(stop=lambda rows=rows: self._stops_for(rows))
                 self._admit_rows()
+
+    def _stops_for(self, rows_target: float) -> bool:
+        """Whether the prefill work assigned since the commands were last read goes before
+        the rest of a step whose tightest row target is ``rows_target``: it has a TBT target
+        (the tier order the worker knows), at least as tight. Without one, nothing ranks it
+        above the rows, and stopping could hold a row's next token for a whole prefill."""
+        arrived = self._arrived_target
+        return arrived < NO_TARGET and arrived <= rows_target
 
     def _step_before_next_prefill(self) -> bool:
         """Always when no prefill waits. While prefills wait, the slotter steps rows when they

@@ -323,15 +323,17 @@ def test_while_prefills_wait_the_batch_steps_only_for_rows_that_are_due(
     assert any(isinstance(e, DecodeStepDone) for e in between) is steps_between_prefills
 
 
-@pytest.mark.parametrize(("target_s", "goes_first"), [(0.4, True), (5.0, False)],
-                         ids=["tighter", "as-loose"])  # fmt: skip
+@pytest.mark.parametrize(("target_s", "goes_first"),
+                         [(0.4, True), (5.0, True), (10.0, False), (None, False)],
+                         ids=["tighter", "as-tight", "looser", "no-target"])  # fmt: skip
 def test_a_more_urgent_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_it(
     tiny_llama, target_s, goes_first
 ):
     """The assignment arrives while a step of both rows (TBT target 5 s) is inside its second
-    layer (sent from the engine thread, so no timing is involved). A prefill of a tighter
-    target stops the step at the next layer boundary: its first token comes out, then the step
-    finishes with its own rows. One as loose waits for the step. Every token is the model's."""
+    layer (sent from the engine thread, so no timing is involved). A prefill of a target at
+    least as tight stops the step at the next layer boundary: its first token comes out, then
+    the step finishes with its own rows. A looser one, or one without a target, waits for the
+    step. Every token is the model's."""
     model = tiny_llama.model
     stream = Stream()
     runner = start(model, stream)
