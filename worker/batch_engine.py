@@ -61,7 +61,6 @@ class StepResult:
     finished: tuple[Task, ...]  # done after this step; they left the batch and freed their slot
     seconds: float = 0.0  # set by whoever timed it (``worker.decode_slotting``)
     slotted: bool = False  # run at a layer boundary of a running prefill
-    stopped: bool = False  # stopped at a layer boundary: no rows yet, the next step finishes it
 
 
 @dataclass

@@ -137,7 +137,7 @@ class BatchRunner:
         self.emit = emit
         self.channel = PreemptionChannel()
         self._commands: queue.Queue[tuple[str, object] | None] = queue.Queue()
-        self._entries: dict[str, _Entry] = {}  # engine thread only
+        self._entries: dict[str, _Entry] = {}  # written on the engine thread only
         self._prefills: list[Work] = []  # ready to (continue to) prefill, in order
         self._waiting_rows: list[str] = []  # prefilled or resumed, waiting for a batch row
         self._lock = threading.Lock()
@@ -186,7 +186,9 @@ class BatchRunner:
 
     def resume(self, request_id: str) -> None:
         self._commands.put(("resume", request_id))
-        self._arrived(self._target_of(request_id))  # a suspended prefill's, or a paused row's
+        # A suspended prefill's target, or a paused row's; read from this thread: one dict
+        # lookup, at worst of an entry the engine thread is just removing (then no target).
+        self._arrived(self._target_of(request_id))
 
     def _arrived(self, target: float) -> None:
         with self._lock:
@@ -241,8 +243,8 @@ class BatchRunner:
                 self._run_work(self._prefills.pop(0))
                 self._admit_rows()
             if self._step_before_next_prefill():
-                # A more urgent prefill assigned meanwhile (after a preemption, the
-                # beneficiary's) stops the step at its next layer boundary.
+                # A prefill of a tier at least as high assigned meanwhile (after a preemption,
+                # the beneficiary's) stops the step at its next layer boundary.
                 rows = min(map(self._tbt_target, self.engine.rows), default=NO_TARGET)
                 self.slotter.step(stop=lambda rows=rows: self._stops_for(rows))
                 self._admit_rows()

@@ -176,8 +176,3 @@ class DecodeLayers:
         )
         _OF_MODEL[engine.model] = layers
         return layers
-
-    def __call__(self, h, cos, sin, masks: list[torch.Tensor], cache) -> torch.Tensor:
-        for layer, mask in zip(self.layers, masks, strict=True):
-            h = layer(h, cos, sin, mask, cache)
-        return h

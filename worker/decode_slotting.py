@@ -80,7 +80,7 @@ class DecodeSlotter:
         now = self.clock()
         if result is None:
             self._stopped_s += now - started
-            result = StepResult((), (), torch.empty(0), (), stopped=True)
+            result = StepResult((), (), torch.empty(0), ())  # no rows yet: the next call ends it
         else:
             self.step_s = _learn(self.step_s, self._stopped_s + now - started)
             self._stopped_s = 0.0

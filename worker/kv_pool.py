@@ -94,8 +94,8 @@ class KVPool:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.slot_tokens = slot_tokens  # per slot
-        element = torch.empty((), dtype=dtype).element_size()
-        self.token_bytes = 2 * num_layers * num_kv_heads * head_dim * element  # K and V
+        self._element = torch.empty((), dtype=dtype).element_size()
+        self.token_bytes = 2 * num_layers * num_kv_heads * head_dim * self._element  # K and V
         self._caches: list[SlotCache | None] = [None] * num_slots
         shape = (num_slots, num_kv_heads, slot_tokens, head_dim)
         self.lazy = torch.device(device).type == "cpu" and not preallocate
@@ -106,7 +106,7 @@ class KVPool:
     def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         if not self.lazy:
             return torch.zeros(shape, dtype=dtype, device=device)
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = torch.Size(shape).numel() * self._element
         memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous: reads as zeros
         self._maps.append(memory)
         return torch.frombuffer(memory, dtype=dtype).view(shape)

@@ -326,7 +326,7 @@ def test_while_prefills_wait_the_batch_steps_only_for_rows_that_are_due(
 @pytest.mark.parametrize(("target_s", "goes_first"),
                          [(0.4, True), (5.0, True), (10.0, False), (None, False)],
                          ids=["tighter", "as-tight", "looser", "no-target"])  # fmt: skip
-def test_a_more_urgent_prefill_assigned_during_a_decode_step_runs_before_the_rest_of_it(
+def test_a_prefill_at_least_as_urgent_assigned_during_a_decode_step_runs_before_the_rest(
     tiny_llama, target_s, goes_first
 ):
     """The assignment arrives while a step of both rows (TBT target 5 s) is inside its second
