@@ -78,6 +78,8 @@ class TierStats:
     fifo_violations: int = 0
     flow_violations: int = 0
     observed_violations: int = 0
+    tbt_p99_ms: Counter = field(default_factory=Counter)  # observed: each request's gaps' p99
+    tbt_violations: int = 0  # observed (queue_service.core.finished.tbt_missed)
     flow_ttft_ms: Counter = field(default_factory=Counter)
     fifo_ttft_ms: Counter = field(default_factory=Counter)
 
@@ -154,6 +156,9 @@ class Audit:
             stats.ttft_ms[round(r.ttft_s * 1000)] += 1
             slo = r.slo_s if r.slo_s is not None else self.slo[r.tier]
             stats.observed_violations += r.ttft_s > slo
+        if r.tbt_p99_s is not None:
+            stats.tbt_p99_ms[round(r.tbt_p99_s * 1000)] += 1
+            stats.tbt_violations += r.tbt_violated
         if stats.last_arrival is not None:
             stats.gaps.add(max(0.0, r.arrival_s - stats.last_arrival))
         stats.last_arrival = r.arrival_s
@@ -222,6 +227,19 @@ class Audit:
                     else {}
                 ),
             },
+            **(
+                {
+                    "tbt_observed": {
+                        "violations": s.tbt_violations,
+                        "requests": s.tbt_p99_ms.total(),
+                        "request_p99_ms": {
+                            k: counter_percentile(s.tbt_p99_ms, q) for k, q in pct.items()
+                        },
+                    }
+                }
+                if s.tbt_p99_ms
+                else {}
+            ),
         }
 
     def _recommend(self, kv_bytes_per_token: int) -> dict:

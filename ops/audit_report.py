@@ -59,6 +59,12 @@ def _tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
          _f(t["ttft_ms"]["fifo"]["p99"]), _f(t["ttft_ms"]["flowprefill"]["p99"])]
         for name, t in tiers.items()
     ]  # fmt: skip
+    observed = [
+        [name, str(t["statuses"].get("done", 0)), _share(t["violations"]["observed"], t["n"]),
+         _f(t["ttft_ms"]["observed"]["p99"]), *_tbt_cells(t)]
+        for name, t in tiers.items()
+        if "observed" in t["ttft_ms"]
+    ]  # fmt: skip
     rec = summary["recommended"]
     recommended = [[f"ttft_slo_s.{k}", f"{v:g}", rec["why"]["ttft_slo_s"]]
                    for k, v in rec["ttft_slo_s"].items()]  # fmt: skip
@@ -66,7 +72,7 @@ def _tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ["chunk_size", str(rec["chunk_size"]), rec["why"]["chunk_size"]],
         ["memory_cap_bytes", f"{rec['memory_cap_bytes']:,}", rec["why"]["memory_cap_bytes"]],
     ]
-    return [
+    tables = [
         ("Lengths (tokens)", ["tier", "n", "prompt p50", "p90", "p99", "max", "output p50",
                               "p99"], lengths),
         ("Arrivals", ["tier", "rate /s", "inter-arrival CV", "peak/mean per minute"], arrivals),
@@ -75,6 +81,20 @@ def _tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
           "TTFT p99 FIFO ms", "TTFT p99 flowprefill ms"], hol),
         ("Recommended settings", ["setting", "value", "why"], recommended),
     ]  # fmt: skip
+    if observed:  # a request log: what the service measured, TTFT and time between tokens
+        tables.insert(3, (
+            "Observed (request log)",
+            ["tier", "done", "TTFT violations", "TTFT p99 ms", "TBT violations",
+             "TBT p99 ms (p99 of requests' p99)"], observed,
+        ))  # fmt: skip
+    return tables
+
+
+def _tbt_cells(t: dict) -> list[str]:
+    tbt = t.get("tbt_observed")
+    if tbt is None:
+        return ["-", "-"]
+    return [_share(tbt["violations"], tbt["requests"]), _f(tbt["request_p99_ms"]["p99"])]
 
 
 def _f(x: float) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from bench.traces import TraceOptions, assign_tier
+from queue_service.core.finished import tbt_missed
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import queue_pb2
 
@@ -44,7 +45,8 @@ class LogRecord:
     arrival_s: float
     status: str = "done"  # trace records: assumed served
     ttft_s: float | None = None  # None: not known (a trace) or no first token
-    tbt_s: float | None = None
+    tbt_s: float | None = None  # the mean gap between output tokens
+    tbt_p99_s: float | None = None  # the p99 of those gaps
     preemptions: int = 0
     deployment: str = ""
     policy: str = ""
@@ -52,6 +54,7 @@ class LogRecord:
     key_id: str = ""
     worker_id: str = ""
     finished_s: float | None = None
+    tbt_slo_s: float | None = None  # None: no TBT target, or not known
 
     @classmethod
     def from_proto(cls, m: queue_pb2.FinishedRequest) -> LogRecord:
@@ -63,6 +66,7 @@ class LogRecord:
             status=m.status,
             ttft_s=m.ttft_ms / 1000 if m.ttft_ms > 0 else None,
             tbt_s=m.tbt_ms / 1000 if m.tbt_ms > 0 else None,
+            tbt_p99_s=m.tbt_p99_ms / 1000 if m.tbt_p99_ms > 0 else None,
             preemptions=m.preemptions,
             deployment=m.deployment,
             policy=m.policy,
@@ -70,7 +74,12 @@ class LogRecord:
             key_id=m.key_id,
             worker_id=m.worker_id,
             finished_s=m.finished_unix_ms / 1000 if m.finished_unix_ms else None,
+            tbt_slo_s=m.tbt_slo_ms / 1000 if m.tbt_slo_ms > 0 else None,
         )
+
+    @property
+    def tbt_violated(self) -> bool:
+        return tbt_missed(self.status, self.tbt_p99_s or 0.0, self.tbt_slo_s)
 
 
 # ------------------------------------------------------------------------------ request log

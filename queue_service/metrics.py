@@ -3,9 +3,13 @@
 Counted when a request ends (from its request-log record, so the metrics and the log agree):
 
 * ``tierflow_requests_total{tier,status}``: status done, cancelled, rejected, shed, failed;
-* ``tierflow_ttft_seconds{tier}``, ``tierflow_tbt_seconds{tier}`` (done requests; the TTFT
-  buckets include every tier's SLO, so ``le="<slo>"`` is the count within SLO);
-* ``tierflow_slo_violations_total{tier}``: done over the SLO, or shed or failed.
+* ``tierflow_ttft_seconds{tier}`` (done requests; the buckets include every tier's SLO, so
+  ``le="<slo>"`` is the count within SLO);
+* ``tierflow_tbt_seconds{tier}``: every gap between two output tokens of a done request, as the
+  service streamed them (one observation per token; the buckets include every TBT target);
+* ``tierflow_slo_violations_total{tier}``: done over the TTFT SLO, or shed or failed;
+* ``tierflow_tbt_violations_total{tier}``: done with its token gaps' p99 over the tier's
+  ``tbt_slo_s`` (``queue_service.core.finished.violated_tbt``).
 
 Counted as it happens: ``tierflow_preemptions_total{tier,kind}`` (kind ``kept``: the state stays
 for a resume; ``dropped``: recomputed later) and ``tierflow_preemption_latency_seconds`` (signal
@@ -17,19 +21,26 @@ Every metric carries ``deployment``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from queue_service.core.finished import violated_slo
+from queue_service.core.finished import violated_slo, violated_tbt
 from tierflow.metrics import DEPLOYMENT_LABEL, latency_buckets
 from tierflow.v1 import queue_pb2
 
 _D = DEPLOYMENT_LABEL
-_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _PREEMPTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class QueueServiceMetrics:
-    def __init__(self, deployment: str, slos_s: dict[str, float]) -> None:
+    def __init__(
+        self,
+        deployment: str,
+        slos_s: dict[str, float],
+        tbt_slos_s: dict[str, float | None] | None = None,
+    ) -> None:
+        tbt_targets = [s for s in (tbt_slos_s or {}).values() if s]
         self.deployment = deployment
         self.registry = CollectorRegistry()
         r = self.registry
@@ -42,11 +53,15 @@ class QueueServiceMetrics:
             [_D, "tier"], buckets=latency_buckets(slos_s.values()), registry=r,
         )  # fmt: skip
         self.tbt = Histogram(
-            "tierflow_tbt_seconds", "Mean time between output tokens of a done request",
-            [_D, "tier"], buckets=_TBT_BUCKETS, registry=r,
+            "tierflow_tbt_seconds", "Time between two output tokens of a done request",
+            [_D, "tier"], buckets=latency_buckets(tbt_targets), registry=r,
         )  # fmt: skip
         self.violations = Counter(
             "tierflow_slo_violations", "Requests that missed their tier's TTFT SLO",
+            [_D, "tier"], registry=r,
+        )  # fmt: skip
+        self.tbt_violations = Counter(
+            "tierflow_tbt_violations", "Done requests whose token gaps' p99 missed the TBT target",
             [_D, "tier"], registry=r,
         )  # fmt: skip
         self.preemptions = Counter(
@@ -68,19 +83,27 @@ class QueueServiceMetrics:
         self.workers = Gauge("tierflow_workers", "Attached workers", [_D], registry=r)
         for tier in slos_s:  # every series exists from the start: rate() needs a zero
             self.violations.labels(deployment, tier)
+            self.tbt_violations.labels(deployment, tier)
             self.ttft.labels(deployment, tier)
+            self.tbt.labels(deployment, tier)
             for where in ("scheduler", "kafka"):
                 self.queue_depth.labels(deployment, tier, where)
 
-    def request_ended(self, record: queue_pb2.FinishedRequest) -> None:
+    def request_ended(
+        self, record: queue_pb2.FinishedRequest, token_gaps_s: Sequence[float] = ()
+    ) -> None:
+        """``token_gaps_s``: the gaps the record's ``tbt_p99_ms`` was taken from."""
         d, tier = self.deployment, record.tier
         self.requests.labels(d, tier, record.status).inc()
         if record.status == "done":
             self.ttft.labels(d, tier).observe(record.ttft_ms / 1000)
-            if record.output_tokens > 1:
-                self.tbt.labels(d, tier).observe(record.tbt_ms / 1000)
+            tbt = self.tbt.labels(d, tier)
+            for gap in token_gaps_s:
+                tbt.observe(gap)
         if violated_slo(record):
             self.violations.labels(d, tier).inc()
+        if violated_tbt(record):
+            self.tbt_violations.labels(d, tier).inc()
 
     def preempted(self, tier: str, latency_s: float, state_dropped: bool) -> None:
         kind = "dropped" if state_dropped else "kept"

@@ -72,7 +72,8 @@ class QueueService:
             SchedulerConfig(max_queued_sheddable=config.max_queued_sheddable),
         )
         self.slos_s = {t.name: t.ttft_slo_s for t in tiers}
-        self.metrics = QueueServiceMetrics(config.deployment, self.slos_s)
+        self.tbt_slos_s = {t.name: t.tbt_slo_s for t in tiers}
+        self.metrics = QueueServiceMetrics(config.deployment, self.slos_s, self.tbt_slos_s)
         self.kafka = KafkaBridge(
             config.kafka,
             tiers,
@@ -107,6 +108,7 @@ class QueueService:
             tokenize=info.tokenizer.encode,
             vocab_size=info.vocab_size,
             deadline_margin_s=config.deadline_margin_s,
+            deployment=config.deployment,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
@@ -132,8 +134,9 @@ class QueueService:
             deployment=self.config.deployment,
             policy=self.config.policy,
             slo_s=self.slos_s.get(live.record.tier, 0.0),
+            tbt_slo_s=self.tbt_slos_s.get(live.record.tier),
         )
-        self.metrics.request_ended(record)
+        self.metrics.request_ended(record, live.token_gaps_s)
         self.kafka.publish_finished(record)
 
     async def _sample_metrics(self) -> None:

@@ -7,6 +7,7 @@ key's label, set by the gateway).
 
 from __future__ import annotations
 
+import math
 import time
 
 from queue_service.core.live import LiveRequest, Outcome
@@ -23,7 +24,13 @@ def status_of(live: LiveRequest) -> str:
 
 
 def finished_record(
-    live: LiveRequest, now: float, *, deployment: str, policy: str, slo_s: float
+    live: LiveRequest,
+    now: float,
+    *,
+    deployment: str,
+    policy: str,
+    slo_s: float,
+    tbt_slo_s: float | None = None,
 ) -> queue_pb2.FinishedRequest:
     """``now`` on the service's clock (the same as ``live``'s times)."""
     ttft_s = live.first_token_at - live.arrived_at if live.first_token_at is not None else 0.0
@@ -46,7 +53,28 @@ def finished_record(
         policy=policy,
         slo_ms=slo_s * 1000,
         worker_id=live.worker_id or "",
+        tbt_p99_ms=gap_p99_s(live.token_gaps_s) * 1000,
+        tbt_slo_ms=(tbt_slo_s or 0.0) * 1000,
     )
+
+
+def gap_p99_s(gaps_s: list[float]) -> float:
+    """The 99th percentile (nearest rank) of a request's token gaps; 0 without any. Under 100
+    gaps this is the longest: one stall a user saw is one too many for a streaming target."""
+    if not gaps_s:
+        return 0.0
+    ordered = sorted(gaps_s)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def tbt_missed(status: str, gap_p99_s: float, tbt_slo_s: float | None) -> bool:
+    """The TBT rule: a done request whose token gaps' p99 went over its tier's TBT target (a tier
+    without a target never misses it; a request with under 2 tokens has no gap)."""
+    return status == "done" and bool(tbt_slo_s) and gap_p99_s > tbt_slo_s
+
+
+def violated_tbt(record: queue_pb2.FinishedRequest) -> bool:
+    return tbt_missed(record.status, record.tbt_p99_ms / 1000, record.tbt_slo_ms / 1000)
 
 
 def violated_slo(record: queue_pb2.FinishedRequest) -> bool:

@@ -38,6 +38,10 @@ class LiveRequest:
     preemptions: int = 0
     tokens_done: int = 0
     output_ids: list[int] = field(default_factory=list)
+    # The gap before each streamed token after the first (time between tokens, as the client
+    # saw them leave); a recompute that resends nothing adds nothing.
+    token_gaps_s: list[float] = field(default_factory=list)
+    last_token_at: float | None = None
     # The text of the tokens streamed so far, one piece per token (incomplete UTF-8 held back);
     # a new one per run from token 0.
     text_step: Callable[[int], str] | None = None

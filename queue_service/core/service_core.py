@@ -338,7 +338,7 @@ class ServiceCore:
     def _on_first_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
         live.state = Status.RUNNING
         if not live.output_ids:  # else a recompute from token 0: the client has this one
-            live.first_token_at = now
+            live.first_token_at = live.last_token_at = now
             live.prefill_busy_ms = body.prefill_busy_ms
             live.output_ids = [body.token_id]
             live.text_step = self.decode_stream()  # the text of a new output starts afresh
@@ -365,21 +365,25 @@ class ServiceCore:
         )
 
     def _on_token(self, live: LiveRequest, worker_id: str, body, now: float) -> None:
-        self._stream_token(live, body.index, body.token_id)
+        self._stream_token(live, body.index, body.token_id, now)
 
     def _on_decode_step(self, worker_id: str, step: worker_pb2.DecodeStep) -> None:
+        now = self.clock()
         for token in step.tokens:
             live = self.live.get(token.request_id)
             if live is not None and live.worker_id == worker_id:
-                self._stream_token(live, token.index, token.token_id)
+                self._stream_token(live, token.index, token.token_id, now)
         seconds = step.step_ms / 1000
         self.dispatcher.handle(DecodeStepDone(worker_id, len(step.tokens), seconds, step.slotted))
 
-    def _stream_token(self, live: LiveRequest, index: int, token_id: int) -> None:
+    def _stream_token(self, live: LiveRequest, index: int, token_id: int, now: float) -> None:
         """The ``index``-th output token; one the client has already is not sent again."""
         if index < len(live.output_ids):
             return
         live.output_ids.append(token_id)
+        if live.last_token_at is not None:
+            live.token_gaps_s.append(now - live.last_token_at)
+        live.last_token_at = now
         if live.text_step is None:  # a token without its first token (never expected)
             live.text_step = self.decode_stream()
         text = live.text_step(token_id)

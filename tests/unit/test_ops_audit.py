@@ -95,3 +95,21 @@ def test_report_files_are_written(tmp_path):
     assert '<img src="hol.png"' in paths["html"].read_text()
     rec = summary["recommended"]
     assert rec["chunk_size"] in (512, 1024, 2048, 4096) and rec["memory_cap_bytes"] > 0
+
+
+def test_a_request_log_shows_observed_ttft_and_tbt_violations(tmp_path):
+    audit = Audit(load_tiers(), PrefillTimePredictor())
+    for i in range(10):
+        audit.add(
+            LogRecord(
+                "critical", 50, 20, arrival_s=i * 3.0, ttft_s=0.1 if i else 0.5,
+                tbt_p99_s=0.6 if i < 3 else 0.1, tbt_slo_s=0.4,
+            )
+        )  # fmt: skip
+    summary = audit.summary(kv_bytes_per_token=1000)
+    critical = summary["tiers"]["critical"]
+    assert critical["violations"]["observed"] == 1
+    assert critical["tbt_observed"]["violations"] == 3
+    assert critical["tbt_observed"]["request_p99_ms"]["p99"] == 600
+    markdown = write_report(audit, summary, tmp_path, "observed")["markdown"].read_text()
+    assert "Observed (request log)" in markdown and "3 (30.0%)" in markdown

@@ -50,7 +50,7 @@ class ReplyError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "key_id", "prompt_tokens", "output_tokens", "arrival_unix_ms", "finished_unix_ms", "ttft_ms", "tbt_ms", "preemptions", "status", "deployment", "policy", "slo_ms", "worker_id")
+    __slots__ = ("request_id", "tier", "key_id", "prompt_tokens", "output_tokens", "arrival_unix_ms", "finished_unix_ms", "ttft_ms", "tbt_ms", "preemptions", "status", "deployment", "policy", "slo_ms", "worker_id", "tbt_p99_ms", "tbt_slo_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,8 @@ class FinishedRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SLO_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TBT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     key_id: str
@@ -81,4 +83,6 @@ class FinishedRequest(_message.Message):
     policy: str
     slo_ms: float
     worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    tbt_p99_ms: float
+    tbt_slo_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., tbt_p99_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
