@@ -254,12 +254,12 @@ def _protoset(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if args.canary:
-        from launch.canary_demo import CanaryDemoConfig, run_canary_demo
+    if args.canary:  # `tierflow canary run`, its time limit from --duration
+        from launch.canary_run import CanaryRunConfig, run_canary
 
-        given = {"model": args.model, "duration_s": args.duration, "out_dir": args.out,
-                 "canary_percent": args.canary_weight}  # fmt: skip
-        run_canary_demo(CanaryDemoConfig(**{k: v for k, v in given.items() if v is not None}))
+        given = {"model": args.model, "time_limit_s": args.duration, "weight": args.canary_weight,
+                 "out_dir": args.out / "canary" if args.out else None}  # fmt: skip
+        run_canary(CanaryRunConfig(**{k: v for k, v in given.items() if v is not None}))
         return 0
     from launch.demo import DemoConfig, run_demo
 
@@ -571,9 +571,10 @@ def _add_demo(sub) -> None:
     d.add_argument("--out", type=Path, help="default out/")
     d.add_argument(
         "--canary", action="store_true",
-        help="a rollout: old = chunked, canary = flowprefill, then `tierflow compare`",
+        help="a canary rollout to a verdict (`tierflow canary run`: chunked vs flowprefill, "
+        "--duration its time limit)",
     )  # fmt: skip
-    d.add_argument("--canary-weight", type=int, help="percent to the canary (default 10)")
+    d.add_argument("--canary-weight", type=int, help="percent to the canary (default 50)")
     d.set_defaults(func=_demo)
 
 

@@ -68,6 +68,10 @@ class StackConfig:
     # writing to the same request log; Envoy sends it canary_percent of the requests.
     canary_policy: str | None = None
     canary_percent: int = 0
+    canary_workers: int | None = None  # None: as many as the primary's
+    # Each worker on a core of its own (round robin over this process's cores) with one torch
+    # thread, so that two deployments' workers do not run at each other's pace.
+    pin_workers: bool = False
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # children that exit
     no_worker_timeout_s: float = QueueServiceConfig.no_worker_timeout_s
 
@@ -93,6 +97,8 @@ class LocalStack:
         self.processes: list[ServiceProcess] = []
         self.broker: LocalKafkaBroker | None = None
         self.supervisor = Supervisor(config.restart)
+        self._cores = sorted(os.sched_getaffinity(0))
+        self._workers_started = 0
 
     def start(self) -> Endpoints:
         cfg = self.config
@@ -110,7 +116,8 @@ class LocalStack:
             if cfg.canary_policy:
                 canary = self._start_queue_service(CANARY)
                 self.endpoints.queue_service_canary = canary
-                for i in range(cfg.workers):
+                n = cfg.workers if cfg.canary_workers is None else cfg.canary_workers
+                for i in range(n):
                     self._start_worker(f"canary-worker-{i}", canary, CANARY)
             if cfg.edge:
                 self._start_gateway()
@@ -188,6 +195,10 @@ class LocalStack:
     def _start_worker(self, worker_id: str, queue_service: str, deployment: str) -> None:
         cfg = self.config
         chunk_size, check = self._engine_settings(deployment)
+        pin = []
+        if cfg.pin_workers:
+            pin = ["--cpus", str(self._cores[self._workers_started % len(self._cores)])]
+        self._workers_started += 1
         proc = self._spawn(
             worker_id,
             python_module(
@@ -200,6 +211,7 @@ class LocalStack:
                 "--check", check,
                 "--deployment", deployment,
                 "--metrics-port", self._metrics_port(worker_id),
+                *pin,
             ),
         )  # fmt: skip
         proc.wait_for_log("attached", timeout=600)  # the first SmolLM2 load converts its GGUF

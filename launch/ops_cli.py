@@ -124,10 +124,21 @@ def run_compare(args: argparse.Namespace) -> dict:
         min_violation_reduction=args.min_violation_reduction,
         max_lower_tier_loss=args.max_lower_tier_loss,
         min_n=args.min_n,
+        max_load_gap=args.max_load_gap,
     )
+    records = list(_records(args, args.source))
+    workers = _worker_counts(args.workers or [])
+    busy = None
+    if args.prometheus and records:  # the workers' busy time over the records' window
+        from launch.prometheus import PrometheusApi
+
+        since = min(r.arrival_s for r in records)
+        until = max(r.finished_s or r.arrival_s for r in records)
+        counts = {d: workers.get(d) or _workers_seen(records, d) for d in (args.old, args.new)}
+        busy = PrometheusApi(args.prometheus).busy_fractions(since, until, counts)
     result = compare(
-        _records(args, args.source), tiers=list(tiers.names),
-        slos={t.name: t.ttft_slo_s for t in tiers}, old=args.old, new=args.new, criteria=criteria,
+        records, tiers=list(tiers.names), slos={t.name: t.ttft_slo_s for t in tiers},
+        old=args.old, new=args.new, criteria=criteria, workers=workers, busy=busy,
     )  # fmt: skip
     report = format_report(result)
     print(report)
@@ -136,6 +147,20 @@ def run_compare(args: argparse.Namespace) -> dict:
         args.out.write_text(report)
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+def _workers_seen(records, deployment: str) -> int:
+    return max(1, len({r.worker_id for r in records if r.deployment == deployment}))
+
+
+def _worker_counts(given: list[str]) -> dict[str, int]:
+    counts = {}
+    for item in given:
+        deployment, _, n = item.partition("=")
+        if not deployment or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--workers {item!r}: expected DEPLOYMENT=N with N >= 1")
+        counts[deployment] = int(n)
+    return counts
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -154,6 +179,18 @@ def add_compare_options(c: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--max-lower-tier-loss", type=float, default=Criteria.max_lower_tier_loss)
     c.add_argument("--min-n", type=int, default=Criteria.min_n, help="top-tier requests/side")
+    c.add_argument(
+        "--max-load-gap", type=float, default=Criteria.max_load_gap,
+        help="the sides' load per worker may differ by this share, or no verdict",
+    )  # fmt: skip
+    c.add_argument(
+        "--workers", action="append", metavar="DEPLOYMENT=N",
+        help="workers of a deployment (default: those its records name); repeatable",
+    )  # fmt: skip
+    c.add_argument(
+        "--prometheus", metavar="URL",
+        help="a Prometheus that scraped the workers (http://host:9090): each side's busy fraction",
+    )  # fmt: skip
 
 
 def _add_compare(sub) -> None:
@@ -187,13 +224,72 @@ def _canary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _canary_run(args: argparse.Namespace) -> int:
+    from launch.canary_run import CanaryRunConfig, run_canary
+    from ops.compare import FAIL
+
+    report = run_canary(canary_run_config(args, CanaryRunConfig))
+    return 1 if report["compare"]["verdict"] == FAIL else 0
+
+
+def canary_run_config(args: argparse.Namespace, config_type):
+    """The run's config from ``add_canary_run_options``' flags (what is not given: defaults)."""
+    from ops.compare import Criteria
+
+    given = {
+        "model": args.model, "tiers_file": args.tiers, "weight": args.weight,
+        "workers": args.workers, "load": args.load, "min_n": args.min_n,
+        "time_limit_s": args.time_limit, "seed": args.seed, "out_dir": args.out,
+    }  # fmt: skip
+    criteria = Criteria(
+        min_violation_reduction=args.min_violation_reduction,
+        max_lower_tier_loss=args.max_lower_tier_loss,
+        max_load_gap=args.max_load_gap,
+    )
+    return config_type(criteria=criteria, **{k: v for k, v in given.items() if v is not None})
+
+
+def add_canary_run_options(r: argparse.ArgumentParser) -> None:
+    """No defaults here: what is not given, CanaryRunConfig decides."""
+    from ops.compare import Criteria
+
+    r.add_argument("--model", help="default smollm2")
+    r.add_argument("--tiers", type=Path, help="default config/demo-tiers.toml")
+    r.add_argument("--weight", type=int, help="percent of requests and workers to the canary (50)")
+    r.add_argument("--workers", type=int, help="workers of both sides together (2)")
+    r.add_argument("--load", type=float, help="offered share of the capacity measured (0.7)")
+    r.add_argument("--min-n", type=int, help="top-tier requests a side (100)")
+    r.add_argument("--time-limit", type=float, help="seconds of arrivals at most (900)")
+    r.add_argument("--seed", type=int)
+    r.add_argument("--out", type=Path, help="default out/canary")
+    r.add_argument(
+        "--min-violation-reduction", type=float, default=Criteria.min_violation_reduction
+    )
+    r.add_argument("--max-lower-tier-loss", type=float, default=Criteria.max_lower_tier_loss)
+    r.add_argument(
+        "--max-load-gap", type=float, default=Criteria.max_load_gap,
+        help="the sides' load per worker may differ by this share, or no verdict",
+    )  # fmt: skip
+
+
 def _add_canary(sub) -> None:
-    c = sub.add_parser("canary", help="set or read Envoy's split to the canary (run time)")
-    c.add_argument("action", choices=["set", "status"])
-    c.add_argument("--weight", type=int, help="percent of new requests to the canary (set)")
-    c.add_argument("--admin", help="Envoy admin host:port (default: the running stack's)")
-    c.add_argument("--log-dir", type=Path, default=StackConfig.log_dir)
-    c.set_defaults(func=_canary)
+    c = sub.add_parser("canary", help="a canary rollout: set or read Envoy's split, or run one")
+    actions = c.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("set", "set the canary's percent (run time)"),
+        ("status", "the split in force and the requests each side got"),
+    ):
+        a = actions.add_parser(action, help=text)
+        if action == "set":
+            a.add_argument("--weight", type=int, required=True, help="percent to the canary")
+        a.add_argument("--admin", help="Envoy admin host:port (default: the running stack's)")
+        a.add_argument("--log-dir", type=Path, default=StackConfig.log_dir)
+        a.set_defaults(func=_canary)
+    r = actions.add_parser(
+        "run", help="old vs new scheduler on this machine, sized to its capacity, to a verdict"
+    )
+    add_canary_run_options(r)
+    r.set_defaults(func=_canary_run)
 
 
 # ------------------------------------------------------------------------- request log

@@ -34,6 +34,7 @@ class Credentials:
 class StackRecord(RequestRecord):
     text: str = ""
     server_ttft_ms: float = 0.0
+    deployment: str = ""  # the side of a rollout that admitted it (its Queued event says)
 
 
 def replay(
@@ -46,8 +47,12 @@ def replay(
     timeout_s: float = 600.0,
     on_progress: Callable[[], None] = lambda: None,
     max_threads: int = 64,
+    stop: Callable[[dict[str, StackRecord]], bool] = lambda sent: False,
 ) -> RunResult:
-    records = {a.request_id: StackRecord(a) for a in workload.arrivals}
+    """Sends every arrival at its time, or until ``stop(records sent so far)`` says so (checked
+    before each; the arrivals not sent are left out of the result), then waits for the ones
+    sent."""
+    records: dict[str, StackRecord] = {}
     clients: dict[str, TierflowClient] = {}
     lock = threading.Lock()
 
@@ -68,7 +73,9 @@ def replay(
                 prompt, max_new_tokens=arrival.max_new_tokens, timeout=timeout_s
             ):
                 kind = event.WhichOneof("event")
-                if kind == "first_token":
+                if kind == "queued":
+                    record.deployment = event.queued.deployment
+                elif kind == "first_token":
                     record.first_token_at = time.perf_counter()
                     record.first_token = event.first_token.token_id
                     record.server_ttft_ms = event.first_token.ttft_ms
@@ -92,6 +99,9 @@ def replay(
             delay = start + arrival.at_s - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+            if stop(records):
+                break
+            records[arrival.request_id] = StackRecord(arrival)
             futures.append(pool.submit(send, arrival))
         for f in futures:
             f.result()

@@ -6,6 +6,7 @@ Every default comes from ``WorkerConfig`` (``worker.config``), the single place 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -90,11 +91,34 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="commit the whole KV pool's memory at start (else, on a CPU, as requests write it)",
     )
+    parser.add_argument(
+        "--cpus",
+        type=_cores,
+        help="run on these CPU cores (e.g. 0 or 0,1), one torch thread each (default: all)",
+    )
     parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
     )
     return parser
+
+
+def _cores(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        message = f"cores are numbers separated by commas: {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def pin_cpus(cpus: tuple[int, ...] | None) -> None:
+    """Run this process on ``cpus`` with one torch thread per core (before the model loads)."""
+    if cpus is None:
+        return
+    import torch
+
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -116,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         max_batch_size=args.max_batch_size,
         slot_tokens=args.slot_tokens,
         preallocate_kv=args.preallocate_kv,
+        cpus=args.cpus,
         **extra,
     )
 
@@ -129,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     main_log = log.bind(worker_id=config.worker_id)
+    try:
+        pin_cpus(config.cpus)
+    except OSError as exc:  # a core this machine does not have
+        parser.error(f"--cpus {args.cpus}: {exc}")
 
     # Installed before the (slow) model load, so a SIGTERM then still exits cleanly.
     stop_requested = threading.Event()

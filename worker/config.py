@@ -119,6 +119,10 @@ class WorkerConfig:
     slot_tokens: int | None = None
     # The whole KV pool's memory committed at start (BatchConfig.preallocate).
     preallocate_kv: bool = False
+    # The CPU cores the worker runs on, with one torch thread each; None: every core, torch's
+    # default threads. Two workers on one machine each get their own cores, or their products
+    # contend for the same ones and each runs at the other's pace.
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.queue_service:
@@ -132,6 +136,8 @@ class WorkerConfig:
                 "need 0 < reconnect_min_s <= reconnect_max_s, got "
                 f"{self.reconnect_min_s} and {self.reconnect_max_s}"
             )
+        if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
+            raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
         if self.kv_slots < 1:
             raise ValueError(
                 f"kv_slots must be >= 1 (1: one request at a time), got {self.kv_slots}"

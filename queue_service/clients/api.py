@@ -57,6 +57,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         tokenize: Callable[[str], list[int]],
         vocab_size: int,
         deadline_margin_s: float = 0.5,
+        deployment: str = "",
     ) -> None:
         self.core = core
         self.tiers = tiers
@@ -65,6 +66,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         self.tokenize = tokenize
         self.vocab_size = vocab_size
         self.deadline_margin_s = deadline_margin_s
+        self.deployment = deployment
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -210,7 +212,10 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         return serving_pb2.GenerateEvent(
             request_id=intake.client_id,
             queued=serving_pb2.Queued(
-                tier=record.tier, position=position, prompt_tokens=len(record.prompt_ids)
+                tier=record.tier,
+                position=position,
+                prompt_tokens=len(record.prompt_ids),
+                deployment=self.deployment,
             ),
         )
 

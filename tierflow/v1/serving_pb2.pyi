@@ -62,14 +62,16 @@ class GenerateEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
 
 class Queued(_message.Message):
-    __slots__ = ("tier", "position", "prompt_tokens")
+    __slots__ = ("tier", "position", "prompt_tokens", "deployment")
     TIER_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
     tier: str
     position: int
     prompt_tokens: int
-    def __init__(self, tier: _Optional[str] = ..., position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    deployment: str
+    def __init__(self, tier: _Optional[str] = ..., position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., deployment: _Optional[str] = ...) -> None: ...
 
 class Waiting(_message.Message):
     __slots__ = ("reason", "unavailable_in_ms")
