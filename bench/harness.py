@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
+
 from bench.event_log import EventLog
 from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.core.dispatcher import Dispatcher
@@ -96,6 +98,17 @@ class RunResult:
     decode_rows: int = 0
     slotted_steps: int = 0  # of them, run at a layer boundary of a prefill
     counters: dict = field(default_factory=dict)  # the scheduler's (packs, pauses, ...)
+    # The share of the machine's CPU time its hypervisor gave to others during the run (steal):
+    # on a shared virtual machine it slows every policy's engine, unevenly over time.
+    cpu_steal: float = 0.0
+
+
+def steal_share(before, after) -> float:
+    """Of the CPU time between two ``psutil.cpu_times()``, the share stolen (0 where the
+    platform does not report steal)."""
+    total = sum(after) - sum(before)
+    stolen = getattr(after, "steal", 0.0) - getattr(before, "steal", 0.0)
+    return stolen / total if total > 0 else 0.0
 
 
 class InProcessWorker:
@@ -217,6 +230,7 @@ class _Run:
         self.on_progress = on_progress
         self.timers = HeapTimers()
         self.start = time.perf_counter()
+        self._cpu_at_start = psutil.cpu_times()
         self.dispatcher = Dispatcher(
             scheduler, self.timers, clock=self.now, on_reject=self._rejected
         )
@@ -337,6 +351,7 @@ class _Run:
             runner.stop()
         stats = self.dispatcher.stats
         self.result.makespan_s = time.perf_counter() - self.start
+        self.result.cpu_steal = steal_share(self._cpu_at_start, psutil.cpu_times())
         self.result.decide_s, self.result.events = stats.decide_s, stats.events
         self.result.prediction_errors = self.dispatcher.scheduler.prediction_errors.summary()
         self.result.counters = self.dispatcher.scheduler.counters

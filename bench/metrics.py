@@ -86,6 +86,7 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
         "throughput_tok_s": tokens / result.busy_s if result.busy_s else 0.0,
         "busy_fraction": result.busy_s / result.makespan_s if result.makespan_s else 0.0,
         "makespan_s": result.makespan_s,
+        "cpu_steal": result.cpu_steal,
         "preemptions": sum(r.preemptions for r in records),
         "recomputes": sum(r.recomputes for r in records),
         "preemption_latency_ms": {

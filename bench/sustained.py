@@ -79,6 +79,7 @@ def judge(summary: dict) -> dict:
         "tiers": tiers,
         "busy_fraction": summary["busy_fraction"],
         "lower_tier_completed_tok_s": summary["lower_tier_completed_tok_s"],
+        "cpu_steal": summary.get("cpu_steal"),  # None: a run from before the bench measured it
     }
 
 
@@ -273,8 +274,9 @@ def markdown(result: dict) -> str:
         left = ", ".join(f"seed {seed} x{factor:g}" for seed, factor in result["incomplete_points"])
         lines += ["", f"Left out, not measured under every policy: {left}."]
     lines += ["", "**Per seed and rate** (met/n, lower bound)", "",
-              "| seed | x | req/s | policy " + head + " busy | lower tiers tok/s | shed / aged |",
-              "|---|---|---|---" + rule + "---|---|---|"]  # fmt: skip
+              "| seed | x | req/s | policy " + head + " busy | lower tiers tok/s | shed / aged | "
+              "CPU steal |",
+              "|---|---|---|---" + rule + "---|---|---|---|"]  # fmt: skip
     for point in result["points"]:
         for name, p in point["policies"].items():
             cells = " | ".join(
@@ -284,9 +286,13 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {point['seed']} | {point['factor']:g} | {point['rate_per_s']:.2f} | {name} | "
                 f"{cells} | {p['busy_fraction']:.0%} | {p['lower_tier_completed_tok_s']:.0f} | "
-                f"{shed_and_aged(p)} |"
+                f"{shed_and_aged(p)} | {_percent(p.get('cpu_steal'))} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def write_outputs(

@@ -227,3 +227,14 @@ def test_the_event_log_tells_what_a_missed_request_waited_for(tiny_llama, tmp_pa
     assert "crit-1" in batch_wait.first_before
     missed = report(log.path, "critical", 0.0, Console(width=200, file=io.StringIO()))
     assert [w.request_id for w in missed] == ["crit-1"]
+
+
+def test_cpu_steal_is_the_stolen_share_of_all_cpu_time_between_two_readings():
+    from collections import namedtuple
+
+    from bench.harness import steal_share
+
+    Times = namedtuple("Times", "user system idle steal")
+    assert steal_share(Times(10, 5, 80, 5), Times(40, 10, 130, 25)) == pytest.approx(20 / 105)
+    NoSteal = namedtuple("NoSteal", "user idle")  # a platform that does not report it
+    assert steal_share(NoSteal(1, 1), NoSteal(2, 3)) == 0.0
