@@ -59,13 +59,20 @@ class CanaryRunConfig:
     out_dir: Path = Path("out/canary")
     criteria: Criteria = field(default_factory=Criteria)
 
+    def __post_init__(self) -> None:
+        self.split()
+        if not 0 < self.load <= 1:
+            raise ValueError(f"load is a share of the capacity in (0, 1], got {self.load}")
+        if self.min_n < 1 or self.time_limit_s <= 0 or self.probe_requests < 2:
+            raise ValueError("min_n >= 1, time_limit_s > 0 and probe_requests >= 2, please")
+
     def split(self) -> dict[str, int]:
         """Workers per side, in proportion to the traffic weight (at least one a side)."""
         if not 0 < self.weight < 100:
             raise ValueError(f"a canary needs 0 < weight < 100, got {self.weight}")
-        new = min(self.workers - 1, max(1, round(self.workers * self.weight / 100)))
-        if new < 1:
+        if self.workers < 2:
             raise ValueError(f"two sides need at least 2 workers, got {self.workers}")
+        new = min(self.workers - 1, max(1, round(self.workers * self.weight / 100)))
         return {PRIMARY: self.workers - new, CANARY: new}
 
     def command(self) -> str:

@@ -228,7 +228,11 @@ def _canary_run(args: argparse.Namespace) -> int:
     from launch.canary_run import CanaryRunConfig, run_canary
     from ops.compare import FAIL
 
-    report = run_canary(canary_run_config(args, CanaryRunConfig))
+    try:
+        config = canary_run_config(args, CanaryRunConfig)
+    except ValueError as exc:
+        raise SystemExit(f"tierflow canary run: {exc}") from None
+    report = run_canary(config)
     return 1 if report["compare"]["verdict"] == FAIL else 0
 
 
