@@ -117,7 +117,7 @@ def _add_audit(sub) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> dict:
-    from ops.compare import Criteria, compare, format_report
+    from ops.compare import Criteria, compare, format_report, worker_counts
 
     tiers = load_tiers(args.tiers)
     criteria = Criteria(
@@ -134,7 +134,7 @@ def run_compare(args: argparse.Namespace) -> dict:
 
         since = min(r.arrival_s for r in records)
         until = max(r.finished_s or r.arrival_s for r in records)
-        counts = {d: workers.get(d) or _workers_seen(records, d) for d in (args.old, args.new)}
+        counts = worker_counts(records, (args.old, args.new), workers)
         busy = PrometheusApi(args.prometheus).busy_fractions(since, until, counts)
     result = compare(
         records, tiers=list(tiers.names), slos={t.name: t.ttft_slo_s for t in tiers},
@@ -147,10 +147,6 @@ def run_compare(args: argparse.Namespace) -> dict:
         args.out.write_text(report)
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
     return result
-
-
-def _workers_seen(records, deployment: str) -> int:
-    return max(1, len({r.worker_id for r in records if r.deployment == deployment}))
 
 
 def _worker_counts(given: list[str]) -> dict[str, int]:

@@ -93,6 +93,17 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def worker_counts(
+    records: Iterable[LogRecord], deployments: Iterable[str], given: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Each deployment's workers: ``given``, else those its records name (at least one)."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for r in records:
+        if r.worker_id:
+            seen[r.deployment].add(r.worker_id)
+    return {d: (given or {}).get(d) or max(1, len(seen[d])) for d in deployments}
+
+
 def compare(
     records: Iterable[LogRecord],
     *,
