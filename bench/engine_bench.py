@@ -34,7 +34,9 @@ from rich.table import Table
 from bench.metrics import mean_interval, percentile
 from bench.report import finish, latency_cdf_axis, save_figure
 from bench.tables import print_table
+from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
+from worker.config import BatchConfig
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
@@ -147,10 +149,11 @@ def per_check_seconds() -> float:
     return max(loop - empty, 0.0) / n
 
 
-def per_progress_report_seconds(engine: PrefillEngine, ids: tuple[int, ...]) -> float:
+def per_progress_report_seconds(model, ids: tuple[int, ...]) -> float:
     """Cost, on the engine thread, of one per-layer progress report: the runner's own
     listener building the event and putting it on a queue, as in the services and the bench."""
     events: queue.SimpleQueue = queue.SimpleQueue()
+    engine = BatchEngine(model, batch=BatchConfig(max_batch_size=1, pool_slots=1))
     runner = BatchRunner(engine, events.put)  # not started: only its listener is timed
     task = engine.new_task(GenerationRequest("progress", ids))
     n = 50_000
@@ -187,7 +190,7 @@ def run_engine_bench(cfg: EngineBenchConfig, console: Console | None = None) -> 
         advance()
         whole_time, prefill_s = _prefill_times(engine_for, cfg, ids, advance)
         overhead = _check_overhead(engine_for, cfg, ids, len(model.model.layers), advance)
-        report_s = per_progress_report_seconds(engine_for[(cfg.chunk_size, "layer")], ids)
+        report_s = per_progress_report_seconds(model, ids)
         latency = {
             str(c): {
                 check: _preemption_latencies(

@@ -5,9 +5,10 @@ between tokens (TBT) of every decoding request becomes the prefill's time. The s
 prefill's ``between_layers`` hook: at each boundary (a row block, a half, a layer; the engine's
 row blocks each fit its preemption budget, ``worker.row_blocks``) it checks whether waiting one
 more block plus one decode step would push any row past its last token + its tier's TBT
-target, and if so runs one decode step there. TBT is then bounded by about one block plus one
-decode step, whatever the chunk size, and the prefill pays only for the steps that a target
-actually needed.
+target, and if so runs one decode step there, of the rows whose target is as tight as the
+prefill's and no others (the engine keeps them first: ``BatchEngine.order_rows_by``). TBT is
+then bounded by about one block plus one decode step, whatever the chunk size, and the
+prefill pays only for the steps that a target actually needed, of the rows that needed them.
 
 The block and step times are learnt as it runs (a fast-rising, slowly-falling average, so
 one slow block is not forgotten at once). The clock is passed in, for tests.
@@ -67,16 +68,23 @@ class DecodeSlotter:
         self._prefill_target_s = target_s
         self()
 
-    def step(self, *, slotted: bool = False, stop: Callable[[], bool] | None = None) -> StepResult:
-        """One decode step of the batch (or the rest of one that stopped), timed; rows that
-        finished are forgotten. ``slotted``: it runs at a boundary of a prefill (said so in the
-        result). ``stop``: asked at the step's layer boundaries (``BatchEngine.decode_step``);
+    def step(
+        self,
+        *,
+        slotted: bool = False,
+        stop: Callable[[], bool] | None = None,
+        rows: int | None = None,
+    ) -> StepResult:
+        """One decode step of the batch (or of its first ``rows`` rows, or the rest of one
+        that stopped), timed; rows that finished are forgotten. ``slotted``: it runs at a
+        boundary of a prefill (said so in the result). ``stop``: asked at the step's layer
+        boundaries (``BatchEngine.decode_step``);
         a step it stops yields a result without rows, and the next call finishes it. Each
         result's ``seconds`` is that call's time; the step time learnt is the whole step's."""
         if not self.engine.step_pending:
             self._stopped_s = 0.0  # nothing to finish (or what was stopped was abandoned)
         started = self.clock()
-        result = self.engine.decode_step(self.listener, stop)
+        result = self.engine.decode_step(self.listener, stop, rows)
         now = self.clock()
         if result is None:
             self._stopped_s += now - started
@@ -110,13 +118,15 @@ class DecodeSlotter:
 
     def __call__(self) -> None:
         """At a prefill boundary: step now if waiting one more block would be too late for a
-        row whose target is as tight as the prefill's."""
+        row whose target is as tight as the prefill's; the step decodes those rows alone (the
+        engine keeps the rows sorted by target: ``BatchEngine.order_rows_by``)."""
         now = self.clock()
         if self._boundary_at is not None:
             self.operator_s = _learn(self.operator_s, now - self._boundary_at)
         due = self.deadline(self._prefill_target_s)
         if self.engine.rows and now + self.operator_s + self.step_s > due:
-            self.step(slotted=True)
+            # Only the rows as tight as the prefill: the others would make it wait for them.
+            self.step(slotted=True, rows=self.engine.rows_up_to(self._prefill_target_s))
             self.slotted_steps += 1
             now = self.clock()
         self._boundary_at = now

@@ -9,7 +9,7 @@ import torch
 from worker.batch_engine import StepResult
 from worker.decode_slotting import DecodeSlotter
 
-CRITICAL, STANDARD = 0.4, 1.0  # TBT targets of config/tiers.toml
+CRITICAL, STANDARD, BATCH = 0.4, 1.0, 5.0  # TBT targets of config/tiers.toml
 
 
 @dataclass(eq=False)
@@ -19,18 +19,25 @@ class Row:
 
 
 class FakeBatch:
-    """Rows that never finish; each step takes ``step_s`` of the fake clock."""
+    """Rows that never finish, sorted by target like the engine's; each step takes
+    ``step_s`` of the fake clock and records the rows it decoded."""
 
     step_pending = False  # its steps never stop part-way
 
     def __init__(self, clock: list[float], rows: list[Row], step_s: float = 0.02) -> None:
-        self.clock, self.rows, self.step_s, self.steps = clock, rows, step_s, 0
+        self.clock, self.step_s, self.steps = clock, step_s, 0
+        self.rows = sorted(rows, key=lambda row: row.target_s)
+        self.stepped: list[tuple[str, ...]] = []
 
-    def decode_step(self, listener, stop=None) -> StepResult:
+    def rows_up_to(self, target_s: float) -> int:
+        return sum(row.target_s <= target_s for row in self.rows)
+
+    def decode_step(self, listener, stop=None, rows=None) -> StepResult:
         self.clock[0] += self.step_s
         self.steps += 1
-        rows = tuple(self.rows)
-        return StepResult(rows, tuple(0 for _ in rows), torch.empty(0), ())
+        stepped = tuple(self.rows[: len(self.rows) if rows is None else rows])
+        self.stepped.append(tuple(row.request_id for row in stepped))
+        return StepResult(stepped, tuple(0 for _ in stepped), torch.empty(0), ())
 
 
 def slotter_over(rows: list[Row]) -> tuple[DecodeSlotter, FakeBatch, list[float]]:
@@ -68,3 +75,14 @@ def test_a_lower_tier_prefill_steps_for_every_tighter_row():
     run_prefill(slotter, clock, float("inf"), blocks=100)  # a batch-tier prefill, say
     assert batch.steps >= 1
     assert clock[0] - slotter._last_token_at["s"] < STANDARD
+
+
+def test_a_step_slotted_for_tighter_rows_decodes_them_alone():
+    """The batch tier's rows do not ride along in a step slotted into a standard prefill for
+    the critical and standard rows: each of them would make the prefill wait longer."""
+    slotter, batch, clock = slotter_over(
+        [Row("b0", BATCH), Row("c", CRITICAL), Row("b1", BATCH), Row("s", STANDARD)]
+    )
+    run_prefill(slotter, clock, STANDARD, blocks=100)
+    assert batch.steps >= 4
+    assert set(batch.stepped) == {("c", "s")}
