@@ -97,6 +97,7 @@ class RunResult:
     decode_steps: int = 0  # batched workers: decode steps, and rows over all of them
     decode_rows: int = 0
     slotted_steps: int = 0  # of them, run at a layer boundary of a prefill
+    decode_step_s: list[float] = field(default_factory=list)  # each step's time
     counters: dict = field(default_factory=dict)  # the scheduler's (packs, pauses, ...)
     # The share of the machine's CPU time its hypervisor gave to others during the run (steal):
     # on a shared virtual machine it slows every policy's engine, unevenly over time.
@@ -345,6 +346,7 @@ class _Run:
         self.result.decode_steps += 1
         self.result.decode_rows += len(step.request_ids)
         self.result.slotted_steps += step.slotted
+        self.result.decode_step_s.append(step.seconds)
 
     def finish(self) -> RunResult:
         for runner in self.runners.values():

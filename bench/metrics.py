@@ -46,7 +46,8 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
             "slo_attainment": met / len(accepted) if accepted else float("nan"),
             "slo_violations": len(accepted) - met,
             "ttft_ms": {
-                q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))
+                q: percentile(ttfts, p)
+                for q, p in (("p50", 50), ("p90", 90), ("p95", 95), ("p99", 99))
             },
             "preemptions": sum(r.preemptions for r in mine),
             "misses_behind_own_tier": _misses_behind_own_tier(accepted, slo_ms / 1000),
@@ -71,6 +72,9 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
             "steps": steps,
             "mean_rows": result.decode_rows / steps if steps else 0.0,
             "slotted_steps": result.slotted_steps,
+            # One decode step's time (the median; the share of one in a critical request's
+            # wait: bench.ttft_bound).
+            "step_ms_p50": percentile(result.decode_step_s, 50) * 1000 if steps else None,
         },
         "packs": result.counters.get("packs", 0),
         "packed_requests": result.counters.get("packed_requests", 0),

@@ -123,8 +123,12 @@ def build_workload(cfg: PolicyBenchConfig) -> Workload:
     )
 
 
-def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBenchConfig) -> dict:
-    """Each tier's median-length prompt alone on an idle engine (median of 3 runs)."""
+def isolated_ttft_ms(
+    model, workload: Workload, tiers: TierTable, cfg: PolicyBenchConfig, quantile: float = 0.5
+) -> dict:
+    """Each tier's median-length prompt (or the prompt at ``quantile`` of its lengths) alone
+    on an idle engine (median of 3 runs). A prompt's TTFT alone grows with its length, so the
+    prompt at the 95th percentile of lengths has the tier's isolated TTFT p95."""
     engine = PrefillEngine(model, EngineConfig(chunk_size=cfg.chunk_size, check="layer"))
     result = {}
     for tier in tiers:
@@ -133,7 +137,7 @@ def isolated_ttft_ms(model, workload: Workload, tiers: TierTable, cfg: PolicyBen
         )
         if not mine:
             continue
-        median = mine[len(mine) // 2]
+        median = mine[min(int(quantile * len(mine)), len(mine) - 1)]
         result[tier.name] = median_run_ms(engine, prompt_ids(median, model.config.vocab_size))
     return result
 
@@ -204,6 +208,7 @@ def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, labe
             "check": engines[0].config.check,
             "kv_slots": cfg.kv_slots,
             "max_batch_size": min(cfg.max_batch_size, cfg.kv_slots),
+            "preempt_budget_ms": engines[0].config.preempt_budget_ms,
         }
         summaries[name]["run_position"] = position
         summaries[name]["speed_probe_ms"] = probe_ms
@@ -278,6 +283,10 @@ def _extra_runs(cfg: PolicyBenchConfig, workload, tiers, isolated, model, run_po
             cfg.sustained_factors, cfg.sustained_seeds, cfg.sustained_min_critical,
             cfg.sustained_target, cfg.max_new_tokens,
             lambda load, label: run_policies(load.clip_prompts(context), tiers, cfg, label),
+            isolated_p95_ms=lambda load: isolated_ttft_ms(
+                model, load.clip_prompts(context), tiers, cfg, quantile=0.95
+            ),
+            budget_ms=EngineConfig.preempt_budget_ms,
         )  # fmt: skip
     return {"slo_configured": configured, "sustained": sustained_result}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import slo_curves
+from bench import slo_curves, ttft_bound
 from bench.metrics import wilson_interval
 from bench.tables import print_table
 from bench.workload import DEFAULT_MIX, TierMix, Workload, synthetic
@@ -74,12 +74,14 @@ def judge(summary: dict) -> dict:
             "aged": t.get("aged"),  # None: a run from before the bench counted them
             # Misses while another request of the tier got its first token: its own load.
             "misses_behind_own_tier": t.get("misses_behind_own_tier"),
+            "ttft_ms": t.get("ttft_ms"),  # p50, p90, p95, p99 of those that got a first token
         }  # fmt: skip
     return {
         "tiers": tiers,
         "busy_fraction": summary["busy_fraction"],
         "lower_tier_completed_tok_s": summary["lower_tier_completed_tok_s"],
         "cpu_steal": summary.get("cpu_steal"),  # None: a run from before the bench measured it
+        "decode_step_ms": summary.get("decode", {}).get("step_ms_p50"),
     }
 
 
@@ -104,7 +106,11 @@ def run(
     target: float,
     max_new_tokens: int,
     run_policies: RunPolicies,
+    isolated_p95_ms: Callable[[Workload], dict[str, float]] | None = None,
+    budget_ms: float | None = None,
 ) -> dict:
+    """``isolated_p95_ms``: each tier's isolated TTFT p95 on a workload, and ``budget_ms`` the
+    preemption budget, for the top tier's TTFT bound (``bench.ttft_bound``)."""
     points = []
     for seed in seeds:
         for factor in sorted(factors):
@@ -117,9 +123,10 @@ def run(
                     "requests": len(workload.arrivals),
                     "rate_per_s": len(workload.arrivals) / max(workload.duration_s, 1e-9),
                     "policies": {name: judge(s) for name, s in summaries.items()},
+                    "isolated_p95_ms": isolated_p95_ms(workload) if isolated_p95_ms else None,
                 }
             )
-    return summarise(points, seeds, target, min_critical)
+    return {**summarise(points, seeds, target, min_critical), "budget_ms": budget_ms}
 
 
 def summarise(points: list[dict], seeds: tuple[int, ...], target: float, min_critical: int) -> dict:
@@ -162,7 +169,8 @@ def merged(results: list[dict]) -> dict | None:
             incomplete.append(list(key))
     seeds = tuple(sorted({p["seed"] for p in complete}))
     result = summarise(complete, seeds, parts[0]["target"], parts[0]["min_critical"])
-    return {**result, "incomplete_points": incomplete}
+    budget = parts[0].get("budget_ms")
+    return {**result, "budget_ms": budget, "incomplete_points": incomplete}
 
 
 def pooled_over_seeds(points: list[dict]) -> list[dict]:
@@ -228,6 +236,7 @@ def render(result: dict, console: Console) -> None:
         seeds = " ".join(f"{v:.2f}" for v in g["per_seed"].values())
         good.add_row(name, seeds, f"{g['mean']:.2f}", f"{g['min']:.2f}-{g['max']:.2f}")
     print_table(console, good)
+    ttft_bound.render(result, console)
 
 
 def shed_and_aged(point_policy: dict) -> str:
@@ -288,6 +297,8 @@ def markdown(result: dict) -> str:
                 f"{cells} | {p['busy_fraction']:.0%} | {p['lower_tier_completed_tok_s']:.0f} | "
                 f"{shed_and_aged(p)} | {_percent(p.get('cpu_steal'))} |"
             )
+    bound = ttft_bound.markdown(result)
+    lines += ["", *bound] if bound else []
     return "\n".join(lines) + "\n"
 
 

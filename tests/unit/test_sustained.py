@@ -5,13 +5,14 @@ import json
 
 import pytest
 
-from bench import sustained
+from bench import sustained, ttft_bound
 from bench.harness import RequestRecord, RunResult
 from bench.metrics import summarise
 from bench.sustained import goodput, judge, sustained_workload
 from bench.workload import Arrival
 from launch.cli import main
 from tierflow.tiers import load_tiers
+from worker.config import EngineConfig
 
 
 def test_each_point_is_fresh_poisson_arrivals_with_enough_critical_requests():
@@ -67,6 +68,11 @@ def test_the_bench_command_runs_sustained_points_per_seed(tmp_path):
     for point in result["points"]:
         assert point["policies"]["flowprefill"]["tiers"]["critical"]["n"] >= 3
     assert set(result["goodput_req_s"]) == {"fifo", "flowprefill"}
+    # The critical tier's TTFT p95 against isolated p95 + budget + step, with its parts.
+    assert result["budget_ms"] == EngineConfig.preempt_budget_ms
+    assert all(p["isolated_p95_ms"]["critical"] > 0 for p in result["points"])
+    assert "critical TTFT p95 against its isolated p95" in tables
+    assert len(ttft_bound.rows(result)) == 2 * len(result["points"])
     assert set(result["goodput_req_s"]["fifo"]["per_seed"]) == {"0", "1"}
     assert sustained.meets(result["points"][0]["policies"]["fifo"], 0.0)
     # Pooled over the seeds: per factor, met and n are the sums of the two seeds' points.
