@@ -3,28 +3,38 @@
 ``tierflow bench --event-log DIR`` writes one file per policy run: every arrival (with the time
 it was due), every command the dispatcher gave a worker (assign, preempt, pause, resume,
 cancel) and every event a runner emitted (progress, first token, decode step, preemption
-acknowledged, done), each with its ``perf_counter`` time. ``bench.misses`` reads it back and
+acknowledged, done), each with its ``perf_counter`` time; and once a second the machine's CPU
+steal over that second (``bench.cpu_steal``). ``bench.misses`` reads it back and
 says, per request that missed its SLO, what it waited for.
 
-Fields: ``t`` (when it was logged), ``kind`` (``arrive`` / ``command`` / ``event``), and then
-the arrival's fields; ``command`` and ``request_ids``; or ``event`` (the runner event's class)
-and its fields, whose own ``at`` is when the engine thread made it.
+Fields: ``t`` (when it was logged), ``kind`` (``arrive`` / ``command`` / ``event`` / ``cpu``),
+and then the arrival's fields; ``command`` and ``request_ids``; ``event`` (the runner event's
+class) and its fields, whose own ``at`` is when the engine thread made it; or ``steal`` and
+``seconds`` (the share of the ``seconds`` before ``t``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
+from bench.cpu_steal import StealSampler
+
 
 class EventLog:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, steal_interval_s: float = 1.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file: IO[str] = path.open("w", encoding="utf-8")
+        self._lock = threading.Lock()  # the steal sampler writes from its own thread
+        self._sampler = StealSampler(self.cpu, steal_interval_s)
+
+    def cpu(self, steal: float, seconds: float) -> None:
+        self._write("cpu", steal=steal, seconds=seconds)
 
     def arrival(self, request_id: str, tier: str, prompt_tokens: int, due_at: float) -> None:
         self._write("arrive", request_id=request_id, tier=tier, prompt_tokens=prompt_tokens,
@@ -43,9 +53,11 @@ class EventLog:
 
     def _write(self, kind: str, **fields: Any) -> None:
         record = {"t": time.perf_counter(), "kind": kind, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        with self._lock:
+            self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        self._sampler.stop()
         self._file.close()
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from bench.cpu_steal import steal_share
 from bench.event_log import EventLog
 from bench.workload import Arrival, Workload, prompt_ids
 from queue_service.core.dispatcher import Dispatcher
@@ -102,14 +103,6 @@ class RunResult:
     # The share of the machine's CPU time its hypervisor gave to others during the run (steal):
     # on a shared virtual machine it slows every policy's engine, unevenly over time.
     cpu_steal: float = 0.0
-
-
-def steal_share(before, after) -> float:
-    """Of the CPU time between two ``psutil.cpu_times()``, the share stolen (0 where the
-    platform does not report steal)."""
-    total = sum(after) - sum(before)
-    stolen = getattr(after, "steal", 0.0) - getattr(before, "steal", 0.0)
-    return stolen / total if total > 0 else 0.0
 
 
 class InProcessWorker:

@@ -4,7 +4,9 @@ Reads a replay's timeline (``bench.event_log``). Per request of the tier, from i
 its first token: how long until it was assigned, the preemptions made meanwhile and how long
 each took to be acknowledged, the decode steps that ran (how many were slotted into a
 prefill, and their seconds), its own prefill's engine time, and which requests got their first
-token before it. The misses first, slowest first; the rest of the tier's slowest after them.
+token before it, and the machine's CPU steal meanwhile (``bench.cpu_steal``). The misses
+first, slowest first; the rest of the tier's slowest after them; then the mean steal during
+the misses against that during the tier's other requests.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench.cpu_steal import mean_over
 from bench.event_log import read
 from bench.tables import print_table
 
@@ -32,6 +35,7 @@ class Wait:
     step_s: float
     preempt_acks_s: tuple[float, ...]  # Preempt to acknowledgement, of those made meanwhile
     first_before: tuple[str, ...]  # requests whose first token came out meanwhile
+    steal: float | None = None  # the CPU steal share meanwhile (None: the log has no samples)
 
 
 def waits(records: list[dict], tier: str) -> list[Wait]:
@@ -41,14 +45,15 @@ def waits(records: list[dict], tier: str) -> list[Wait]:
         if r["kind"] == "event" and r["event"] == "FirstToken":
             firsts.setdefault(r["request_id"], r)
     arrivals = [r for r in records if r["kind"] == "arrive" and r["tier"] == tier]
+    steal = [(r["t"], r["seconds"], r["steal"]) for r in records if r["kind"] == "cpu"]
     return [
-        _wait(records, arrival, firsts[arrival["request_id"]])
+        _wait(records, arrival, firsts[arrival["request_id"]], steal)
         for arrival in arrivals
         if arrival["request_id"] in firsts
     ]
 
 
-def _wait(records: list[dict], arrival: dict, first: dict) -> Wait:
+def _wait(records: list[dict], arrival: dict, first: dict, steal: list) -> Wait:
     rid, start, end = arrival["request_id"], arrival["at"], first["at"]
     inside = [r for r in records if start <= _time(r) <= end]
     assigned = next(
@@ -78,17 +83,18 @@ def _wait(records: list[dict], arrival: dict, first: dict) -> Wait:
             for r in inside
             if r["kind"] == "event" and r["event"] == "FirstToken" and r["request_id"] != rid
         ),
+        mean_over(steal, start, end),
     )
 
 
 def _time(record: dict) -> float:
     """When it happened: an arrival's due time, an event's engine time, a command's log time."""
-    return record["t"] if record["kind"] == "command" else record["at"]
+    return record["t"] if record["kind"] in ("command", "cpu") else record["at"]
 
 
 LAST = "first tokens before it"
 COLUMNS = ("request", "prompt", "TTFT ms", "to assign ms", "own prefill ms",
-           "decode steps (slotted) ms", "preempt acks ms", LAST)  # fmt: skip
+           "decode steps (slotted) ms", "preempt acks ms", "CPU steal", LAST)  # fmt: skip
 
 
 def report(path: Path, tier: str, slo_s: float, console: Console, slowest: int = 5) -> list[Wait]:
@@ -108,7 +114,22 @@ def report(path: Path, tier: str, slo_s: float, console: Console, slowest: int =
             f"{w.own_prefill_s * 1000:.0f}" + (" (pack)" if w.packed else ""),
             f"{w.steps} ({w.slotted_steps}) {w.step_s * 1000:.0f}",
             " ".join(f"{a * 1000:.0f}" for a in w.preempt_acks_s) or "-",
+            _percent(w.steal),
             " ".join(w.first_before) or "-",
         )
     print_table(console, table)
+    met = [w for w in all_waits if w.ttft_s <= slo_s]
+    console.print(
+        f"mean CPU steal: {_percent(_mean_steal(missed))} during the {len(missed)} misses, "
+        f"{_percent(_mean_steal(met))} during the {len(met)} others"
+    )
     return missed
+
+
+def _mean_steal(waits_: list[Wait]) -> float | None:
+    shares = [w.steal for w in waits_ if w.steal is not None]
+    return sum(shares) / len(shares) if shares else None
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.0%}"

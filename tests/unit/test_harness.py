@@ -207,7 +207,7 @@ def test_the_event_log_tells_what_a_missed_request_waited_for(tiny_llama, tmp_pa
         make_policy("flowprefill"), TIERS, PrefillTimePredictor(a=10.0 / 1500, b=0.0, c=0.0)
     )
     engine = BatchEngine(model, EngineConfig(chunk_size=256, check="layer"))
-    log = EventLog(tmp_path / "run.jsonl")
+    log = EventLog(tmp_path / "run.jsonl", steal_interval_s=0.05)
     slow = SlowLayers(model, 0.03)
     try:
         result = run_policy(
@@ -223,18 +223,8 @@ def test_the_event_log_tells_what_a_missed_request_waited_for(tiny_llama, tmp_pa
     assert len(wait.preempt_acks_s) == 1 and wait.preempt_acks_s[0] > 0
     assert wait.preempt_acks_s[0] <= wait.to_assign_s < wait.ttft_s
     assert wait.first_before == ()  # the batch request's first token came after
+    assert wait.steal is not None and 0.0 <= wait.steal <= 1.0  # sampled while it waited
     (batch_wait,) = waits(read(log.path), "batch")
     assert "crit-1" in batch_wait.first_before
     missed = report(log.path, "critical", 0.0, Console(width=200, file=io.StringIO()))
     assert [w.request_id for w in missed] == ["crit-1"]
-
-
-def test_cpu_steal_is_the_stolen_share_of_all_cpu_time_between_two_readings():
-    from collections import namedtuple
-
-    from bench.harness import steal_share
-
-    Times = namedtuple("Times", "user system idle steal")
-    assert steal_share(Times(10, 5, 80, 5), Times(40, 10, 130, 25)) == pytest.approx(20 / 105)
-    NoSteal = namedtuple("NoSteal", "user idle")  # a platform that does not report it
-    assert steal_share(NoSteal(1, 1), NoSteal(2, 3)) == 0.0
