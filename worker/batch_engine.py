@@ -9,10 +9,8 @@ checks and exact resume it keeps; what it adds:
   their B new tokens, one call per layer, rows of different lengths kept apart by the mask;
   requests ``join`` after their first token and ``leave`` when done, cancelled or paused,
   between steps; each row samples with its own request's parameters and seeded generator;
-- the rows are kept in the order of a key the caller gives (``order_rows_by``: the runner's
-  is each row's TBT target), so the rows up to a key are a prefix of the slots and a step
-  can decode them alone (``decode_step(rows=k)``): a step slotted into a critical prefill
-  for critical rows does not make the prefill wait for the batch tier's rows too;
+  a step may decode some rows only (``decode_step(rows=...)``: a step slotted into a critical
+  prefill for the critical rows does not make it wait for the batch tier's rows too);
 - ``prefill`` runs one request's prefill (chunked, preemptible) and stops after its first
   token, so the caller joins it to the batch; ``between_layers`` lets the caller slot decode
   steps in at layer boundaries (``worker.decode_slotting``);
@@ -26,9 +24,8 @@ All of it runs on one thread (the runner's engine thread), like ``PrefillEngine`
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +68,9 @@ class StepResult:
 @dataclass
 class _StepInProgress:
     """A decode step's rows and activations, up to layer ``next_layer``. Rows that join the
-    batch meanwhile take slots after the step's (it reads slots ``0 .. len(rows)-1`` only), so
-    a join leaves it valid; a leave moves slots, so it abandons the step (``_abandon_step``)."""
+    batch meanwhile take slots after the step's (it reads its rows' slots only, all below the
+    batch's size when it started), so a join leaves it valid; a leave moves slots, so it
+    abandons the step (``_abandon_step``)."""
 
     rows: tuple[Task, ...]
     lengths: list[int]
@@ -112,8 +110,6 @@ class BatchEngine(PrefillEngine):
         self.fast_decode = self.batch_config.max_batch_size > 1
         self.decode_layers = DecodeLayers.of(self) if self.fast_decode else None
         self.rows: list[Task] = []  # the decode batch: rows[i] owns slot i
-        self._row_keys: list[float] = []  # each row's key at its join: sorted, like the rows
-        self._row_key: Callable[[Task], float] = lambda task: 0.0  # one class: join order
         self._pending_step: _StepInProgress | None = None  # stopped mid-step (``decode_step``)
 
     # ------------------------------------------------------------------ requests
@@ -209,21 +205,8 @@ class BatchEngine(PrefillEngine):
     def in_batch(self, task: Task) -> bool:
         return any(row is task for row in self.rows)
 
-    def order_rows_by(self, key: Callable[[Task], float]) -> None:
-        """Keep the batch sorted by ``key`` (read once, when a row joins), the smallest first:
-        the rows whose key is at most some value are then slots ``0 .. k-1``
-        (``rows_up_to``). Call it before any row joins."""
-        if self.rows:
-            raise ValueError("order_rows_by must be called while the batch is empty")
-        self._row_key = key
-
-    def rows_up_to(self, key: float) -> int:
-        """How many rows (the first ones) have a key of at most ``key``."""
-        return bisect.bisect_right(self._row_keys, key)
-
     def join(self, task: Task) -> None:
-        """Add a request that has its first token (or was paused) to the decode batch, after
-        the rows of its key and before those of larger keys."""
+        """Add a request that has its first token (or was paused) to the decode batch."""
         if task.phase is not Phase.DECODE or task.state is None:
             raise ValueError(f"task {task.request_id} is {task.phase.value}, not ready to decode")
         if self.in_batch(task):
@@ -232,39 +215,17 @@ class BatchEngine(PrefillEngine):
             raise BatchFullError(f"the decode batch is full ({len(self.rows)} rows)")
         self.pool.swap(self._slot(task), len(self.rows))
         self.rows.append(task)
-        self._row_keys.append(self._row_key(task))
-        self._sort_last_row()
         self.memory.release(task.request_id)  # decoding again: no longer counted as paused
 
     def leave(self, task: Task) -> None:
-        """Take ``task`` out of the batch; it keeps its slot. The rows after it stay in order
-        (one slot swap per key they span; one swap when all keys are equal)."""
-        row = self._slot(task)
-        if row >= len(self.rows) or self.rows[row] is not task:
+        """Take ``task`` out of the batch; it keeps its slot. The last row fills the gap."""
+        row, last = self._slot(task), len(self.rows) - 1
+        if row > last or self.rows[row] is not task:
             raise ValueError(f"task {task.request_id} is not in the decode batch")
         self._abandon_step()
-        last = len(self.rows) - 1
-        while row < last:  # move it to the end: swap it with the last row of the next key
-            end = bisect.bisect_right(self._row_keys, self._row_keys[row + 1], row + 1) - 1
-            self._swap_rows(row, end)
-            row = end
+        self.pool.swap(row, last)
+        self.rows[row] = self.rows[last]
         self.rows.pop()
-        self._row_keys.pop()
-
-    def _sort_last_row(self) -> None:
-        """Move the row just appended to its place: swap it with the first row of a larger
-        key, which then goes to the place of its own key, and so on (one swap per key)."""
-        row, keys = len(self.rows) - 1, self._row_keys
-        while (place := bisect.bisect_right(keys, keys[row], 0, row)) < row:
-            pending = self._pending_step
-            if pending is not None and place < len(pending.rows):
-                self._abandon_step()  # a row of the stopped step moves
-            self._swap_rows(place, row)
-
-    def _swap_rows(self, a: int, b: int) -> None:
-        self.pool.swap(a, b)
-        self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
-        self._row_keys[a], self._row_keys[b] = self._row_keys[b], self._row_keys[a]
 
     def pause(self, task: Task, *, drop_state: bool = False) -> bool:
         """Stop decoding ``task`` for now. True: its KV is kept (resume with ``join``). False:
@@ -292,19 +253,19 @@ class BatchEngine(PrefillEngine):
         self,
         listener: EngineListener = _NO_LISTENER,
         stop: Callable[[], bool] | None = None,
-        rows: int | None = None,
+        rows: Sequence[Task] | None = None,
     ) -> StepResult | None:
-        """One token for every row of the batch (or for the first ``rows`` rows: those up to
-        a key, ``rows_up_to``), in one forward. A stopped step is finished with the rows it
-        started with, whatever ``rows`` says. ``stop`` is asked at every
+        """One token for every row of the batch (or for ``rows``, some of its rows, in batch
+        order), in one forward. A stopped step is finished with the rows it started with,
+        whatever ``rows`` says. ``stop`` is asked at every
         layer boundary (after at least one layer, so every call makes progress): when it says
         so, the step keeps its activations and returns None, and the next call goes on from
         that layer. That bounds the wait for a prefill that arrives mid-step by one layer of
         the step, not the whole step (``worker.batch_runner``)."""
-        count = len(self.rows) if rows is None else min(rows, len(self.rows))
-        if self._pending_step is None and count == 0:
+        stepped = tuple(self.rows) if rows is None else tuple(rows)
+        if self._pending_step is None and not stepped:
             return StepResult((), (), torch.empty(0), ())
-        step = self._pending_step or self._start_step(count)
+        step = self._pending_step or self._start_step(stepped)
         self._pending_step = None
         products = decode_products() if self.fast_decode else contextlib.nullcontext()
         with products:  # a few rows against every weight: worker.packed_linear
@@ -316,8 +277,10 @@ class BatchEngine(PrefillEngine):
             logits = self.lm_head(self.norm(step.h))[:, -1]
         return self._sample_step(step, logits, listener)
 
-    def _start_step(self, count: int) -> _StepInProgress:
-        rows = tuple(self.rows[:count])
+    def _start_step(self, rows: tuple[Task, ...]) -> _StepInProgress:
+        if not all(self.in_batch(t) for t in rows):
+            raise ValueError("a decode step's rows must be rows of the batch")
+        slots = [self._slot(t) for t in rows]
         lengths = [self._cache(t).length for t in rows]
         positions = torch.tensor(lengths, device=self.device)
         kv_len = max(lengths) + 1
@@ -328,7 +291,7 @@ class BatchEngine(PrefillEngine):
         return _StepInProgress(
             rows, lengths, h, position_ids, self.rotary(h, position_ids),
             [masks[layer_type] for layer_type in self.layer_types],
-            DecodeStepCache(self.pool, positions, kv_len),
+            DecodeStepCache(self.pool, positions, kv_len, slots),
         )  # fmt: skip
 
     def _decode_layer(self, index: int, step: _StepInProgress) -> torch.Tensor:

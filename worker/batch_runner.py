@@ -154,7 +154,6 @@ class BatchRunner:
         self.busy = BusyClock()
         self._listener = _Listener(self)  # it reads self.engine and self._entries
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
-        engine.order_rows_by(self._tbt_target)  # a slotted step decodes the tight rows alone
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     # ------------------------------------------------------------ commands (any thread)

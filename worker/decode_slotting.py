@@ -6,7 +6,7 @@ prefill's ``between_layers`` hook: at each boundary (a row block, a half, a laye
 row blocks each fit its preemption budget, ``worker.row_blocks``) it checks whether waiting one
 more block plus one decode step would push any row past its last token + its tier's TBT
 target, and if so runs one decode step there, of the rows whose target is as tight as the
-prefill's and no others (the engine keeps them first: ``BatchEngine.order_rows_by``). TBT is
+prefill's and no others (``BatchEngine.decode_step(rows=...)``). TBT is
 then bounded by about one block plus one decode step, whatever the chunk size, and the
 prefill pays only for the steps that a target actually needed, of the rows that needed them.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -73,7 +73,7 @@ class DecodeSlotter:
         *,
         slotted: bool = False,
         stop: Callable[[], bool] | None = None,
-        rows: int | None = None,
+        rows: Sequence[Task] | None = None,
     ) -> StepResult:
         """One decode step of the batch (or of its first ``rows`` rows, or the rest of one
         that stopped), timed; rows that finished are forgotten. ``slotted``: it runs at a
@@ -118,15 +118,16 @@ class DecodeSlotter:
 
     def __call__(self) -> None:
         """At a prefill boundary: step now if waiting one more block would be too late for a
-        row whose target is as tight as the prefill's; the step decodes those rows alone (the
-        engine keeps the rows sorted by target: ``BatchEngine.order_rows_by``)."""
+        row whose target is as tight as the prefill's; the step decodes those rows alone."""
         now = self.clock()
         if self._boundary_at is not None:
             self.operator_s = _learn(self.operator_s, now - self._boundary_at)
         due = self.deadline(self._prefill_target_s)
         if self.engine.rows and now + self.operator_s + self.step_s > due:
             # Only the rows as tight as the prefill: the others would make it wait for them.
-            self.step(slotted=True, rows=self.engine.rows_up_to(self._prefill_target_s))
+            target = self._prefill_target_s
+            tight = [t for t in self.engine.rows if self.tbt_target_s(t) <= target]
+            self.step(slotted=True, rows=tight)
             self.slotted_steps += 1
             now = self.clock()
         self._boundary_at = now

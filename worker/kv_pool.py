@@ -189,17 +189,25 @@ class KVPool:
 
 
 class DecodeStepCache:
-    """The cache one decode step of the batch in slots ``0 .. B-1`` writes into.
+    """The cache one decode step of rows of the batch writes into.
 
-    Row ``i`` writes its new token's K/V at ``positions[i]`` of slot ``i`` and attends to a view
-    of the first ``kv_len`` positions of slots ``0 .. B-1``; the step's mask hides each row's
-    positions past its own length.
+    Row ``i`` writes its new token's K/V at ``positions[i]`` of slot ``slots[i]`` and attends to
+    the first ``kv_len`` positions of those slots; the step's mask hides each row's positions
+    past its own length. The whole batch (slots ``0 .. B-1``) is a view of the pool; some of its
+    rows (a step slotted into a prefill for the rows as tight as it) are gathered, a copy of
+    their ``kv_len`` positions per layer (about 1.4 ms a step for three rows of 900 positions of
+    bench-llama, against about 3.5 ms a step for each row more, and nothing on a join or leave).
     """
 
-    def __init__(self, pool: KVPool, positions: torch.Tensor, kv_len: int) -> None:
+    def __init__(
+        self, pool: KVPool, positions: torch.Tensor, kv_len: int, slots: list[int] | None = None
+    ) -> None:
         self.pool = pool
         self.positions = positions
-        self.rows = torch.arange(positions.shape[0], device=positions.device)
+        b = positions.shape[0]
+        slots = list(range(b)) if slots is None else slots
+        self.prefix = slots == list(range(b))  # the whole batch: a view
+        self.rows = torch.tensor(slots, device=positions.device)
         self.kv_len = kv_len
 
     def update(
@@ -212,8 +220,11 @@ class DecodeStepCache:
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         keys[self.rows, :, self.positions] = key_states[:, :, 0]
         values[self.rows, :, self.positions] = value_states[:, :, 0]
-        b = self.rows.shape[0]
-        return keys[:b, :, : self.kv_len], values[:b, :, : self.kv_len]
+        if self.prefix:
+            b = self.rows.shape[0]
+            return keys[:b, :, : self.kv_len], values[:b, :, : self.kv_len]
+        n, rows = self.kv_len, self.rows
+        return keys[:, :, :n].index_select(0, rows), values[:, :, :n].index_select(0, rows)
 
 
 class PackedPrefillCache:

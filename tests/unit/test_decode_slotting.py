@@ -19,23 +19,19 @@ class Row:
 
 
 class FakeBatch:
-    """Rows that never finish, sorted by target like the engine's; each step takes
-    ``step_s`` of the fake clock and records the rows it decoded."""
+    """Rows that never finish; each step takes ``step_s`` of the fake clock and records the
+    rows it decoded."""
 
     step_pending = False  # its steps never stop part-way
 
     def __init__(self, clock: list[float], rows: list[Row], step_s: float = 0.02) -> None:
-        self.clock, self.step_s, self.steps = clock, step_s, 0
-        self.rows = sorted(rows, key=lambda row: row.target_s)
+        self.clock, self.rows, self.step_s, self.steps = clock, rows, step_s, 0
         self.stepped: list[tuple[str, ...]] = []
-
-    def rows_up_to(self, target_s: float) -> int:
-        return sum(row.target_s <= target_s for row in self.rows)
 
     def decode_step(self, listener, stop=None, rows=None) -> StepResult:
         self.clock[0] += self.step_s
         self.steps += 1
-        stepped = tuple(self.rows[: len(self.rows) if rows is None else rows])
+        stepped = tuple(self.rows if rows is None else rows)
         self.stepped.append(tuple(row.request_id for row in stepped))
         return StepResult(stepped, tuple(0 for _ in stepped), torch.empty(0), ())
 
