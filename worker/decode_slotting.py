@@ -6,9 +6,9 @@ prefill's ``between_layers`` hook: at each boundary (a row block, a half, a laye
 row blocks each fit its preemption budget, ``worker.row_blocks``) it checks whether waiting one
 more block plus one decode step would push any row past its last token + its tier's TBT
 target, and if so runs one decode step there, of the rows whose target is as tight as the
-prefill's and no others (``BatchEngine.decode_step(rows=...)``). TBT is
-then bounded by about one block plus one decode step, whatever the chunk size, and the
-prefill pays only for the steps that a target actually needed, of the rows that needed them.
+prefill's and no others (``BatchEngine.decode_step(rows=...)``). TBT is then bounded by about
+one block plus one decode step, whatever the chunk size, and the prefill pays only for the
+steps that a target actually needed, of the rows that needed them.
 
 The block and step times are learnt as it runs (a fast-rising, slowly-falling average, so
 one slow block is not forgotten at once). The clock is passed in, for tests.
@@ -75,12 +75,12 @@ class DecodeSlotter:
         stop: Callable[[], bool] | None = None,
         rows: Sequence[Task] | None = None,
     ) -> StepResult:
-        """One decode step of the batch (or of its first ``rows`` rows, or the rest of one
+        """One decode step of the batch (or of ``rows``, some of its rows; or the rest of one
         that stopped), timed; rows that finished are forgotten. ``slotted``: it runs at a
         boundary of a prefill (said so in the result). ``stop``: asked at the step's layer
-        boundaries (``BatchEngine.decode_step``);
-        a step it stops yields a result without rows, and the next call finishes it. Each
-        result's ``seconds`` is that call's time; the step time learnt is the whole step's."""
+        boundaries (``BatchEngine.decode_step``); a step it stops yields a result without
+        rows, and the next call finishes it. Each result's ``seconds`` is that call's time;
+        the step time learnt is the whole step's."""
         if not self.engine.step_pending:
             self._stopped_s = 0.0  # nothing to finish (or what was stopped was abandoned)
         started = self.clock()
