@@ -10,6 +10,7 @@ records the whole run's share (``RunResult.cpu_steal``) and, in a timeline
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import psutil
@@ -24,8 +25,9 @@ def steal_share(before, after) -> float:
 
 
 class StealSampler:
-    """Calls ``record(share, seconds)`` every ``interval_s`` with the steal share of the
-    interval just ended, on a daemon thread, until ``stop``."""
+    """Calls ``record(share, seconds)`` about every ``interval_s`` with the steal share of the
+    ``seconds`` just ended (measured: a wait oversleeps under steal), on a daemon thread,
+    until ``stop``."""
 
     def __init__(self, record: Callable[[float, float], None], interval_s: float = 1.0) -> None:
         self._record = record
@@ -35,11 +37,11 @@ class StealSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        before = psutil.cpu_times()
+        before, since = psutil.cpu_times(), time.perf_counter()
         while not self._stopped.wait(self._interval_s):
-            after = psutil.cpu_times()
-            self._record(steal_share(before, after), self._interval_s)
-            before = after
+            after, now = psutil.cpu_times(), time.perf_counter()
+            self._record(steal_share(before, after), now - since)
+            before, since = after, now
 
     def stop(self) -> None:
         self._stopped.set()

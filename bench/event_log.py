@@ -58,7 +58,8 @@ class EventLog:
 
     def close(self) -> None:
         self._sampler.stop()
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
 
 def _plain(value: Any) -> Any:

@@ -137,7 +137,7 @@ def isolated_ttft_ms(
         )
         if not mine:
             continue
-        median = mine[min(int(quantile * len(mine)), len(mine) - 1)]
+        median = mine[int(quantile * (len(mine) - 1) + 0.5)]  # the rank nearest `percentile`s
         result[tier.name] = median_run_ms(engine, prompt_ids(median, model.config.vocab_size))
     return result
 

@@ -169,7 +169,10 @@ def merged(results: list[dict]) -> dict | None:
             incomplete.append(list(key))
     seeds = tuple(sorted({p["seed"] for p in complete}))
     result = summarise(complete, seeds, parts[0]["target"], parts[0]["min_critical"])
-    budget = parts[0].get("budget_ms")
+    budgets = {p["budget_ms"] for p in parts if p.get("budget_ms") is not None}
+    if len(budgets) > 1:
+        raise ValueError(f"sustained runs with different preemption budgets: {sorted(budgets)}")
+    budget = budgets.pop() if budgets else None
     return {**result, "budget_ms": budget, "incomplete_points": incomplete}
 
 

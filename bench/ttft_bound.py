@@ -9,8 +9,10 @@ isolated TTFT p95 (the prompt at the 95th percentile of its lengths, alone on an
 excess: another critical request ahead of it (counted apart, "behind own tier"), a machine
 slower than when the isolated TTFT was measured (CPU steal is in the sustained tables).
 
-The p99 is reported with it, never judged: over ~100 requests a point it is the worst one or
-two.
+The budget is flowprefill's (``EngineConfig.preempt_budget_ms``, the bench's engines'); the
+baselines, which stop elsewhere (chunked at chunk ends) or drop state (recompute), are set
+against the same bound, with their own decode step, for comparison. The p99 is reported with
+it, never judged: over ~100 requests a point it is the worst one or two.
 """
 
 from __future__ import annotations

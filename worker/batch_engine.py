@@ -61,8 +61,9 @@ class StepResult:
     tokens: tuple[int, ...]
     logits: torch.Tensor  # (B, vocab)
     finished: tuple[Task, ...]  # done after this step; they left the batch and freed their slot
-    seconds: float = 0.0  # set by whoever timed it (``worker.decode_slotting``)
+    seconds: float = 0.0  # this call's time, set by whoever timed it (``worker.decode_slotting``)
     slotted: bool = False  # run at a layer boundary of a running prefill
+    step_seconds: float = 0.0  # the whole step's: a stopped step's parts together
 
 
 @dataclass
@@ -70,7 +71,7 @@ class _StepInProgress:
     """A decode step's rows and activations, up to layer ``next_layer``. Rows that join the
     batch meanwhile take slots after the step's (it reads its rows' slots only, all below the
     batch's size when it started), so a join leaves it valid; a leave moves slots, so it
-    abandons the step (``_abandon_step``)."""
+    abandons the step (``abandon_step``)."""
 
     rows: tuple[Task, ...]
     lengths: list[int]
@@ -205,6 +206,11 @@ class BatchEngine(PrefillEngine):
     def in_batch(self, task: Task) -> bool:
         return any(row is task for row in self.rows)
 
+    @property
+    def pending_rows(self) -> tuple[Task, ...]:
+        """The rows of the step stopped at a layer boundary (none when no step is stopped)."""
+        return () if self._pending_step is None else self._pending_step.rows
+
     def join(self, task: Task) -> None:
         """Add a request that has its first token (or was paused) to the decode batch."""
         if task.phase is not Phase.DECODE or task.state is None:
@@ -222,7 +228,7 @@ class BatchEngine(PrefillEngine):
         row, last = self._slot(task), len(self.rows) - 1
         if row > last or self.rows[row] is not task:
             raise ValueError(f"task {task.request_id} is not in the decode batch")
-        self._abandon_step()
+        self.abandon_step()
         self.pool.swap(row, last)
         self.rows[row] = self.rows[last]
         self.rows.pop()
@@ -278,8 +284,8 @@ class BatchEngine(PrefillEngine):
         return self._sample_step(step, logits, listener)
 
     def _start_step(self, rows: tuple[Task, ...]) -> _StepInProgress:
-        if not all(self.in_batch(t) for t in rows):
-            raise ValueError("a decode step's rows must be rows of the batch")
+        if not all(self.in_batch(t) for t in rows) or len({id(t) for t in rows}) < len(rows):
+            raise ValueError("a decode step's rows must be distinct rows of the batch")
         slots = [self._slot(t) for t in rows]
         lengths = [self._cache(t).length for t in rows]
         positions = torch.tensor(lengths, device=self.device)
@@ -324,8 +330,9 @@ class BatchEngine(PrefillEngine):
 
     # ------------------------------------------------------------------ internals
 
-    def _abandon_step(self) -> None:
-        """Drop a stopped step: its rows are about to move. What it wrote (each row's K/V at
+    def abandon_step(self) -> None:
+        """Drop a stopped step (its rows are about to move, or a caller wants a step of other
+        rows first). What it wrote (each row's K/V at
         its next position, in the layers it ran) lies past the row's length, so the mask hides
         it, and the row's next step writes that position again before attending to it."""
         self._pending_step = None

@@ -449,7 +449,7 @@ class BatchRunner:
                     tuple(t.request_id for t in result.tasks),
                     result.tokens,
                     tuple(len(t.output_ids) - 1 for t in result.tasks),
-                    result.seconds,
+                    result.step_seconds,
                     result.slotted,
                     time.perf_counter(),
                 )

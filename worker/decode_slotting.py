@@ -79,20 +79,28 @@ class DecodeSlotter:
         that stopped), timed; rows that finished are forgotten. ``slotted``: it runs at a
         boundary of a prefill (said so in the result). ``stop``: asked at the step's layer
         boundaries (``BatchEngine.decode_step``); a step it stops yields a result without
-        rows, and the next call finishes it. Each result's ``seconds`` is that call's time;
-        the step time learnt is the whole step's."""
+        rows, and the next call finishes it. Each result's ``seconds`` is that call's time, its
+        ``step_seconds`` and the step time learnt the whole step's. With ``rows``, a stopped
+        step of other rows is dropped first."""
+        if rows is not None and not {id(t) for t in self.engine.pending_rows} <= set(map(id, rows)):
+            # A stopped step with other rows (a critical prefill stops a step of critical and
+            # batch rows): finishing it would make this prefill wait for those rows too.
+            self.engine.abandon_step()
         if not self.engine.step_pending:
             self._stopped_s = 0.0  # nothing to finish (or what was stopped was abandoned)
         started = self.clock()
         result = self.engine.decode_step(self.listener, stop, rows)
         now = self.clock()
+        whole = self._stopped_s + now - started
         if result is None:
-            self._stopped_s += now - started
+            self._stopped_s = whole
             result = StepResult((), (), torch.empty(0), ())  # no rows yet: the next call ends it
         else:
-            self.step_s = _learn(self.step_s, self._stopped_s + now - started)
+            self.step_s = _learn(self.step_s, whole)
             self._stopped_s = 0.0
-        result = dataclasses.replace(result, seconds=now - started, slotted=slotted)
+        result = dataclasses.replace(
+            result, seconds=now - started, slotted=slotted, step_seconds=whole
+        )
         for task in result.tasks:
             self._last_token_at[task.request_id] = now
         for task in result.finished:

@@ -53,7 +53,9 @@ class TokenOut:
 class DecodeStepDone:
     """One decode step of a batched worker: row ``i`` produced ``tokens[i]``, the
     ``indexes[i]``-th token of ``request_ids[i]``. ``slotted``: run at a layer boundary of a
-    running prefill. Carries every row's token, so a step is one event, not B."""
+    running prefill. ``seconds``: the whole step's time (a step stopped for a prefill and
+    finished later, its parts together), what the scheduler learns a step costs. Carries every
+    row's token, so a step is one event, not B."""
 
     request_ids: tuple[str, ...]
     tokens: tuple[int, ...]

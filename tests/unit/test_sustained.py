@@ -136,6 +136,13 @@ def test_pooling_refuses_points_that_do_not_belong_together():
     other["sustained"]["target"] = 0.95
     with pytest.raises(ValueError, match="different targets"):
         sustained.merged([a, other])
+    a["sustained"]["budget_ms"] = 25.0
+    other = bench_run(one_point(0, 1, 300, "b", 99))
+    other["sustained"]["budget_ms"] = 10.0
+    with pytest.raises(ValueError, match="different preemption budgets"):
+        sustained.merged([a, other])
+    older = bench_run(one_point(0, 1, 300, "b", 99))  # a run from before budgets were kept
+    assert sustained.merged([older, a])["budget_ms"] == 25.0
 
 
 def test_a_point_counts_the_shed_and_the_requests_that_reached_the_aging_threshold():
