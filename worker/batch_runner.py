@@ -27,7 +27,10 @@ thread does between commands:
 - ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
   counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
   joins it again, and a dropped one recomputes when assigned again, reported as
-  ``DecodeRejoined``. Tokens are emitted once each: a recompute does not repeat them.
+  ``DecodeRejoined``. Tokens are emitted once each: a recompute does not repeat them;
+- once the engine has been idle for ``BatchConfig.kv_release_idle_s``, freed KV slots' memory
+  is handed back to the OS (``KVPool.release_free``: not as each request ends, so that a
+  decode step never copies K/V into pages the OS has to fault in).
 
 Every engine call happens on the engine thread; other threads only queue work, except that a
 preempt or cancel of the running prefill raises the preemption channel at once, from the
@@ -272,7 +275,7 @@ class BatchRunner:
         stopping."""
         while True:
             try:
-                item = self._commands.get() if block else self._commands.get_nowait()
+                item = self._next_command() if block else self._commands.get_nowait()
             except queue.Empty:
                 return True
             # Reset once a command is taken: a put after this sets it again, and a put before
@@ -285,6 +288,17 @@ class BatchRunner:
             kind, arg = item
             getattr(self, f"_on_{kind}")(arg)
             block = False
+
+    def _next_command(self) -> tuple[str, object] | None:
+        """Wait for a command; an engine idle for ``kv_release_idle_s`` meanwhile hands its
+        freed KV memory back first (``KVPool.release_free``)."""
+        pool = self.engine.pool
+        if pool.retained_slots:
+            try:
+                return self._commands.get(timeout=self.engine.batch_config.kv_release_idle_s)
+            except queue.Empty:
+                pool.release_free()
+        return self._commands.get()
 
     def _on_assign(self, arg) -> None:
         request, target = arg

@@ -76,8 +76,15 @@ class BatchConfig:
     # by the OS as requests write it, and handed back as they finish: worker.kv_pool), so a
     # machine short of it fails at start rather than mid-run.
     preallocate: bool = False
+    # A lazy pool hands freed slots' memory back once the engine has been idle this long, not
+    # as each request ends: a busy worker keeps its pages committed, so compacting the batch
+    # never copies into pages the OS has to fault in (worker.kv_pool). Long enough that the
+    # gaps between requests at moderate load keep them; short against an operator's glance.
+    kv_release_idle_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.kv_release_idle_s < 0:
+            raise ValueError(f"kv_release_idle_s must be >= 0, got {self.kv_release_idle_s}")
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.pool_slots <= 0:

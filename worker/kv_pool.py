@@ -9,8 +9,13 @@ sustained run had a Preempt acknowledged 4.6 s late). On a CPU, memory still fol
 tensors are views of anonymous private memory maps, which the OS commits page by page as they
 are first written and which read as zeros before (``mmap(2)``: an anonymous mapping is
 zero-initialised), and a freed slot's pages are handed back (``MADV_DONTNEED``; they read as
-zeros again). So a worker holds about what its live requests wrote, an idle one holds no KV,
-and a worker of one slot holds what one request needs, as a per-request cache would. On other
+zeros again) once the engine is idle (``release_free``, called by ``worker.batch_runner``).
+Not at once: compacting the batch copies a request's K/V into another slot, and a copy into
+pages the OS has not committed yet faults on every 4 KiB page. On the 2-core machine, moving
+5000 positions of bench-llama took 245 ms into fresh pages against 7.5 ms into committed ones,
+and that copy runs inside a decode step (a row that finishes leaves the batch) which a critical
+prefill waits for. So a busy worker keeps the pages its requests wrote, an idle one holds no
+KV, and a worker of one slot holds what one request needs, as a per-request cache would. On other
 devices (a GPU, whose memory is not committed lazily) the pool is allocated, zeroed, at start,
 as serving systems do. ``preallocate`` commits a CPU pool's memory at start too (it fails at
 start, not mid-run, when the machine lacks it).
@@ -97,6 +102,9 @@ class KVPool:
         self._element = torch.empty((), dtype=dtype).element_size()
         self.token_bytes = 2 * num_layers * num_kv_heads * head_dim * self._element  # K and V
         self._caches: list[SlotCache | None] = [None] * num_slots
+        # Free slots whose pages may still be committed: positions written, handed back by
+        # ``release_free`` (a lazy pool only).
+        self._retained: dict[int, int] = {}
         shape = (num_slots, num_kv_heads, slot_tokens, head_dim)
         self.lazy = torch.device(device).type == "cpu" and not preallocate
         self._maps: list[mmap.mmap] = []  # a lazy pool's memory, one map per tensor
@@ -119,8 +127,15 @@ class KVPool:
     @property
     def allocated_bytes(self) -> int:
         """KV memory the pool holds now: the whole pool when it is not lazy, else what the
-        live requests reserved (freed slots are handed back)."""
-        return self.used_bytes if self.lazy else self.num_slots * self.slot_bytes
+        live requests reserved and what freed slots wrote until it is handed back."""
+        if not self.lazy:
+            return self.num_slots * self.slot_bytes
+        return self.used_bytes + sum(self._retained.values()) * self.token_bytes
+
+    @property
+    def retained_slots(self) -> int:
+        """Free slots whose memory ``release_free`` has still to hand back."""
+        return len(self._retained)
 
     @property
     def used_slots(self) -> int:
@@ -144,20 +159,30 @@ class KVPool:
             raise PoolFullError(f"all {self.num_slots} KV slots are in use")
         cache = SlotCache(self, slot, owner, tokens)
         self._caches[slot] = cache
+        self._retained.pop(slot, None)  # its pages are the new owner's
         return cache
 
     def free(self, cache: SlotCache) -> None:
+        """Free the cache's slot; its memory stays committed until ``release_free``."""
         if cache.slot >= 0 and self._caches[cache.slot] is cache:
             self._caches[cache.slot] = None
-            self._hand_back(cache.slot)
+            self._retain(cache.slot, max(cache.filled, default=0))
         cache.slot = -1  # a freed cache owns nothing: a suspended pack's write to it is skipped
 
+    def release_free(self) -> None:
+        """Hand every free slot's memory back to the OS (a lazy pool; the engine is idle)."""
+        for slot in self._retained:
+            self._hand_back(slot)
+        self._retained.clear()
+
+    def _retain(self, slot: int, positions: int) -> None:
+        if self.lazy and positions:
+            self._retained[slot] = max(self._retained.get(slot, 0), positions)
+
     def _hand_back(self, slot: int) -> None:
-        """Return a freed slot's memory to the OS (a lazy pool): its pages read as zeros
-        again and are committed anew when the next owner writes them. Only whole pages inside
-        the slot's region: its first and last page may be shared with a neighbour."""
-        if not self.lazy:
-            return
+        """Return a free slot's memory to the OS: its pages read as zeros again and are
+        committed anew when the next owner writes them. Only whole pages inside the slot's
+        region: its first and last page may be shared with a neighbour."""
         span = len(self._maps[0]) // self.num_slots  # every map holds num_slots equal slots
         page = mmap.PAGESIZE
         start = -(-slot * span // page) * page
@@ -186,6 +211,11 @@ class KVPool:
             ca.slot = b
         if cb is not None:
             cb.slot = a
+        for slot in (a, b):  # a free one now holds what the other held; an owned one is its
+            if self._caches[slot] is None:
+                self._retain(slot, n)
+            else:
+                self._retained.pop(slot, None)
 
 
 class DecodeStepCache:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 
@@ -369,3 +370,32 @@ def test_a_prefill_at_least_as_urgent_assigned_during_a_decode_step_runs_before_
     tokens = collect_tokens(events)
     for name, n in (("d1", 8), ("d2", 8), ("c", 4)):
         assert tokens[name] == reference(model, ids[name], n)[0], name
+
+
+@pytest.mark.parametrize("idle_s", [0.05, 3600.0])
+def test_freed_kv_memory_is_handed_back_once_the_engine_idles(tiny_llama, idle_s):
+    """A busy runner keeps finished requests' pages committed (a later compaction copies
+    into them without page faults); an idle one hands them back after ``kv_release_idle_s``."""
+    engine = BatchEngine(
+        tiny_llama.model,
+        EngineConfig(chunk_size=16, check="layer"),
+        BatchConfig(2, 4, 160, kv_release_idle_s=idle_s),
+    )
+    stream = Stream()
+    stream.runner = runner = BatchRunner(engine, stream).start()
+    try:
+        for name in ("a", "b"):
+            ids = prompt(20 + 10 * len(name), tiny_llama.model.config.vocab_size, seed=3)
+            runner.assign(greedy(name, ids, 4))
+        drain(stream, ["a", "b"])
+        assert engine.pool.used_slots == 0
+        if idle_s > 60:
+            assert engine.pool.retained_slots >= 2 and engine.pool.allocated_bytes > 0
+        else:
+            for _ in range(600):  # the engine thread releases on its own; 30 s at most
+                if engine.pool.retained_slots == 0:
+                    break
+                time.sleep(0.05)
+            assert engine.pool.retained_slots == 0 and engine.pool.allocated_bytes == 0
+    finally:
+        runner.stop()

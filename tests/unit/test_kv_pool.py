@@ -66,9 +66,10 @@ def test_slots_are_zero_until_written_and_keep_their_contents_beside_each_other(
     )
 
 
-def test_a_freed_slot_hands_its_memory_back_and_reads_as_zeros():
+def test_a_freed_slot_keeps_its_memory_until_released_then_reads_as_zeros():
     """Large enough that a slot spans many pages: resident memory rises by about the slot
-    when it is written and falls back when it is freed."""
+    when it is written, stays when it is freed (the busy engine may copy a row into it
+    without faulting its pages in again), and falls back when the pool is released."""
     kv = KVPool(
         num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, num_slots=2,
         slot_tokens=100_000, dtype=torch.float32, device="cpu",
@@ -80,12 +81,33 @@ def test_a_freed_slot_hands_its_memory_back_and_reads_as_zeros():
     written = resident_bytes()
     assert written - before > 0.8 * slot_bytes
     kv.free(cache)
+    assert abs(written - resident_bytes()) < 0.2 * slot_bytes
+    assert kv.retained_slots == 1 and kv.allocated_bytes == slot_bytes
+    kv.release_free()
     assert written - resident_bytes() > 0.8 * slot_bytes
+    assert kv.retained_slots == 0 and kv.allocated_bytes == 0
     again = kv.allocate("b", 10)
     edge = 2 * mmap.PAGESIZE // 4  # floats of the two pages a slot may share with neighbours
     for layer in range(LAYERS):
         for tensor in again.buffers(layer):
             assert 0 < tensor.numel() - edge <= int((tensor == 0).sum())
+
+
+def test_a_free_slot_a_row_was_moved_out_of_counts_until_released():
+    """Compacting moves a request's K/V out of its slot into a free one: the slot left
+    behind holds what was moved, and the pool counts it until it hands it back."""
+    kv = pool(slots=3)
+    row = kv.allocate("row", 40)
+    fill(row, 30, 1.0)
+    kv.swap(row.slot, 0)  # joining the batch at row 0
+    assert row.slot == 0 and kv.retained_slots == 1
+    assert kv.allocated_bytes == (40 + 30) * TOKEN_BYTES
+    kv.free(row)
+    assert kv.retained_slots == 2 and kv.allocated_bytes == 2 * 30 * TOKEN_BYTES
+    assert kv.allocate("next", 10).slot == 2  # an owned slot is no longer counted as freed
+    assert kv.allocated_bytes == (10 + 30) * TOKEN_BYTES
+    kv.release_free()
+    assert kv.allocated_bytes == 10 * TOKEN_BYTES and kv.retained_slots == 0
 
 
 def test_the_pool_refuses_past_its_slots_and_width():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -160,7 +161,9 @@ def test_a_single_request_worker_decodes_as_generate_does_through_the_models_lay
     the weights, which a larger batch makes: docs/design.md, "The batched engine")."""
     model = request.getfixturevalue(model_fixture).model
     events: queue.Queue = queue.Queue()
-    engine = BatchEngine(model, EngineConfig(chunk_size=16), BatchConfig(1, 1))
+    engine = BatchEngine(
+        model, EngineConfig(chunk_size=16), BatchConfig(1, 1, kv_release_idle_s=0.0)
+    )
     assert engine.decode_layers is None and not engine.fast_decode
     runner = BatchRunner(engine, events.put).start()
     prompt = ids(37, 8)
@@ -168,6 +171,10 @@ def test_a_single_request_worker_decodes_as_generate_does_through_the_models_lay
         runner.assign(GenerationRequest("one", prompt, max_new_tokens=10, stop_at_eos=False))
         while not isinstance(done := events.get(timeout=30), Finished):
             pass
+        for _ in range(600):  # the engine thread hands the KV back as it goes idle
+            if engine.pool.allocated_bytes == 0:
+                break
+            time.sleep(0.05)
     finally:
         runner.stop()
     with torch.no_grad():
