@@ -191,11 +191,26 @@ class KVPool:
             for memory in self._maps:
                 memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    @staticmethod
+    def _exchange(t: torch.Tensor, a: int, b: int, n: int, a_owned: bool, b_owned: bool) -> None:
+        """The first ``n`` positions of slots ``a`` and ``b`` of ``t``: exchanged when both are
+        owned, else the owned one's copied into the free one (a free slot's stale contents
+        matter to no one: they are finite, and masked until its next owner overwrites them)."""
+        if a_owned and b_owned:
+            held = t[a, :, :n].clone()
+            t[a, :, :n].copy_(t[b, :, :n])
+            t[b, :, :n].copy_(held)
+        elif a_owned:
+            t[b, :, :n].copy_(t[a, :, :n])
+        else:
+            t[a, :, :n].copy_(t[b, :, :n])
+
     def owner_of(self, slot: int) -> SlotCache | None:
         return self._caches[slot]
 
     def swap(self, a: int, b: int) -> None:
-        """Exchange the contents and owners of two slots (either may be free)."""
+        """Exchange the contents and owners of two slots (either may be free). With one free,
+        the owned one's K/V is moved into it: one copy of what it wrote, nothing allocated."""
         if a == b:
             return
         ca, cb = self._caches[a], self._caches[b]
@@ -203,9 +218,7 @@ class KVPool:
         if n:
             for tensors in (self.keys, self.values):
                 for t in tensors:
-                    held = t[a, :, :n].clone()
-                    t[a, :, :n].copy_(t[b, :, :n])
-                    t[b, :, :n].copy_(held)
+                    self._exchange(t, a, b, n, ca is not None, cb is not None)
         self._caches[a], self._caches[b] = cb, ca
         if ca is not None:
             ca.slot = b

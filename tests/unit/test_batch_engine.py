@@ -353,3 +353,32 @@ def test_pool_and_batch_limits_are_clear_errors_and_the_engine_keeps_serving(tin
     engine.prefill(c, channel)  # a's slot is free again
     engine.decode_step()
     assert b.output_ids and c.phase is Phase.DECODE
+
+
+def test_a_finished_row_leaves_without_its_kv_being_copied_and_the_rest_stay_exact(tiny_llama):
+    """A long row finishing ahead of a short one: its slot is freed before the short row is
+    moved into it, so what the pool still holds of freed slots (until the engine idles) is
+    the short row's old copies, not the long row's K/V moved out of the way (a swap's)."""
+    model = tiny_llama.model
+    vocab = model.config.vocab_size
+    engine = make_engine(model, slots=4, batch=2)
+    channel, streams = PreemptionChannel(), Streams()
+    ids = {"long": prompt(100, vocab, seed=1), "short": prompt(9, vocab, seed=2)}
+    tasks = {
+        "long": engine.new_task(greedy("long", ids["long"], 3)),
+        "short": engine.new_task(greedy("short", ids["short"], 12)),
+    }
+    for task in tasks.values():
+        engine.prefill(task, channel, streams)
+        engine.join(task)
+    while engine.in_batch(tasks["long"]):
+        streams.record_step(engine.decode_step(streams))
+    short = tasks["short"].state.cache
+    assert engine.rows == [tasks["short"]] and short.slot == 0
+    freed = engine.pool.allocated_bytes - engine.pool.used_bytes
+    # The short row's old copies alone: where it was prefilled (9 positions) and row 1.
+    assert freed == (9 + max(short.filled)) * engine.pool.token_bytes
+    while engine.rows:
+        streams.record_step(engine.decode_step(streams))
+    assert streams.tokens["short"] == reference(model, ids["short"], 12)[0]
+    assert streams.tokens["long"] == reference(model, ids["long"], 3)[0]
