@@ -230,11 +230,8 @@ class BatchEngine(PrefillEngine):
     def _retire(self, task: Task) -> None:
         """Take a row that is done with its K/V (finished, cancelled) out of the batch. Its
         slot is freed first, so the last row's K/V is moved into it one way: nothing of the
-        leaver's is copied, and no copy of it is allocated. With a swap, in sustained runs on
-        the 2-core machine, the steps in which a row finished were the slow ones: 23-26 a run
-        took 100-280 ms against a median step of 21 ms, and nothing can stop a step there. How
-        much of that the copy was is not known: apart, on warm pages, such a step took 26 ms
-        either way (docs/results.md)."""
+        leaver's is copied, and nothing is allocated, in a part of the step that no boundary
+        can stop (docs/design.md, "The batched engine")."""
         row = self._row_of(task)
         self._free(task)
         self._close_gap(row)

@@ -191,20 +191,6 @@ class KVPool:
             for memory in self._maps:
                 memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    @staticmethod
-    def _exchange(t: torch.Tensor, a: int, b: int, n: int, a_owned: bool, b_owned: bool) -> None:
-        """The first ``n`` positions of slots ``a`` and ``b`` of ``t``: exchanged when both are
-        owned, else the owned one's copied into the free one (a free slot's stale contents
-        matter to no one: they are finite, and masked until its next owner overwrites them)."""
-        if a_owned and b_owned:
-            held = t[a, :, :n].clone()
-            t[a, :, :n].copy_(t[b, :, :n])
-            t[b, :, :n].copy_(held)
-        elif a_owned:
-            t[b, :, :n].copy_(t[a, :, :n])
-        else:
-            t[a, :, :n].copy_(t[b, :, :n])
-
     def owner_of(self, slot: int) -> SlotCache | None:
         return self._caches[slot]
 
@@ -215,10 +201,17 @@ class KVPool:
             return
         ca, cb = self._caches[a], self._caches[b]
         n = max(max(c.filled) if c is not None else 0 for c in (ca, cb))
-        if n:
-            for tensors in (self.keys, self.values):
-                for t in tensors:
-                    self._exchange(t, a, b, n, ca is not None, cb is not None)
+        both_owned = ca is not None and cb is not None
+        # Else a one-way move into the free slot: its stale contents matter to no one (finite,
+        # and masked until its next owner overwrites them).
+        source, target = (a, b) if cb is None else (b, a)
+        for t in (*self.keys, *self.values) if n else ():
+            if both_owned:
+                held = t[a, :, :n].clone()
+                t[a, :, :n].copy_(t[b, :, :n])
+                t[b, :, :n].copy_(held)
+            else:
+                t[target, :, :n].copy_(t[source, :, :n])
         self._caches[a], self._caches[b] = cb, ca
         if ca is not None:
             ca.slot = b

@@ -372,30 +372,41 @@ def test_a_prefill_at_least_as_urgent_assigned_during_a_decode_step_runs_before_
         assert tokens[name] == reference(model, ids[name], n)[0], name
 
 
-@pytest.mark.parametrize("idle_s", [0.05, 3600.0])
-def test_freed_kv_memory_is_handed_back_once_the_engine_idles(tiny_llama, idle_s):
-    """A busy runner keeps finished requests' pages committed (a later compaction copies
-    into them without page faults); an idle one hands them back after ``kv_release_idle_s``."""
+def run_two_requests(model, idle_s: float) -> tuple[BatchEngine, BatchRunner]:
+    """A runner that served two requests to the end (the caller stops it)."""
     engine = BatchEngine(
-        tiny_llama.model,
+        model,
         EngineConfig(chunk_size=16, check="layer"),
         BatchConfig(2, 4, 160, kv_release_idle_s=idle_s),
     )
     stream = Stream()
     stream.runner = runner = BatchRunner(engine, stream).start()
+    for name in ("a", "b"):
+        ids = prompt(20 + 10 * len(name), model.config.vocab_size, seed=3)
+        runner.assign(greedy(name, ids, 4))
+    drain(stream, ["a", "b"])
+    return engine, runner
+
+
+def test_a_busy_runner_keeps_freed_kv_memory_committed(tiny_llama):
+    """Finished requests' pages stay committed until the engine idles (a later compaction
+    copies into them without page faults)."""
+    engine, runner = run_two_requests(tiny_llama.model, idle_s=3600.0)
     try:
-        for name in ("a", "b"):
-            ids = prompt(20 + 10 * len(name), tiny_llama.model.config.vocab_size, seed=3)
-            runner.assign(greedy(name, ids, 4))
-        drain(stream, ["a", "b"])
         assert engine.pool.used_slots == 0
-        if idle_s > 60:
-            assert engine.pool.retained_slots >= 2 and engine.pool.allocated_bytes > 0
-        else:
-            for _ in range(600):  # the engine thread releases on its own; 30 s at most
-                if engine.pool.retained_slots == 0:
-                    break
-                time.sleep(0.05)
-            assert engine.pool.retained_slots == 0 and engine.pool.allocated_bytes == 0
+        assert engine.pool.retained_slots >= 2 and engine.pool.allocated_bytes > 0
+    finally:
+        runner.stop()
+
+
+def test_an_idle_runner_hands_freed_kv_memory_back(tiny_llama):
+    engine, runner = run_two_requests(tiny_llama.model, idle_s=0.05)
+    try:
+        assert engine.pool.used_slots == 0
+        for _ in range(600):  # the engine thread releases on its own; 30 s at most
+            if engine.pool.retained_slots == 0:
+                break
+            time.sleep(0.05)
+        assert engine.pool.retained_slots == 0 and engine.pool.allocated_bytes == 0
     finally:
         runner.stop()
