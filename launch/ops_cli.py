@@ -1,5 +1,6 @@
-"""The operator's commands: ``tierflow audit``, ``tierflow compare``, ``tierflow canary set|status``
-and ``tierflow request-log dump``. Thin wrappers over ``ops``; ``launch.cli`` registers them."""
+"""The operator's commands: ``tierflow audit``, ``tierflow usage``, ``tierflow compare``,
+``tierflow canary set|status`` and ``tierflow request-log dump``. Thin wrappers over ``ops``;
+``launch.cli`` registers them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ DEFAULT_KV_BYTES_PER_TOKEN = (
 
 def add_ops_commands(sub) -> None:
     _add_audit(sub)
+    _add_usage(sub)
     _add_compare(sub)
     _add_canary(sub)
     _add_request_log(sub)
@@ -63,6 +65,38 @@ def _records(args: argparse.Namespace, source: str, progress=None):
         source, settings=_settings(args), since_s=_when(args.since), until_s=_when(args.until),
         trace_options=opts, progress=progress,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- usage
+
+
+def _usage(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ops.records import is_request_log_dump
+    from ops.usage import render, usage_rows, write_csv, write_json
+
+    if args.source != "kafka" and not is_request_log_dump(Path(args.source)):
+        raise SystemExit(f"{args.source}: not a request-log dump (tierflow request-log dump)")
+    rows = usage_rows(_records(args, args.source))
+    render(rows, Console())
+    window = {"source": args.source, "since": args.since, "until": args.until}
+    csv_path = write_csv(rows, args.out.with_suffix(".csv"))
+    json_path = write_json(rows, args.out.with_suffix(".json"), window=window)
+    print(f"wrote {csv_path} and {json_path}")
+    return 0
+
+
+def _add_usage(sub) -> None:
+    u = sub.add_parser(
+        "usage", help="per key and served tier: requests, tokens, SLO met, downgraded, refused"
+    )
+    u.add_argument("source", nargs="?", default="kafka", help="'kafka' (default) or a dump")
+    _add_source_options(u)
+    u.add_argument(
+        "--out", type=Path, default=Path("out/usage"), help="writes OUT.csv and OUT.json"
+    )
+    u.set_defaults(func=_usage)
 
 
 # ------------------------------------------------------------------------------- audit

@@ -28,12 +28,12 @@ from starlette.routing import Route
 
 from openai_api.config import OpenAIApiConfig
 from openai_api.errors import OpenAIError, bad_request, error_body
-from openai_api.generation import Generation
+from openai_api.generation import KEEP_ALIVE, Generation
 from openai_api.render import DONE_EVENT, Renderer
 from openai_api.service_tiers import ServiceTiers
 from openai_api.translate import Plan, ServedModel, chat_plan, check_model, completion_plan
 from tierflow.client import AsyncTierflowClient
-from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER
+from tierflow.tiers import KEY_ID_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
 
 log = structlog.get_logger("openai_api")
 
@@ -148,6 +148,8 @@ class OpenAIApi:
             plan.include_usage,
         )
         headers = {TIER_HEADER: generation.tier or tier, REQUEST_ID_HEADER: request_id}
+        if generation.requested_tier:  # served below the tier asked for: its tier was full
+            headers[REQUESTED_TIER_HEADER] = generation.requested_tier
         if plan.stream:
             return StreamingResponse(
                 _events(generation, renderer, log_),
@@ -160,6 +162,9 @@ class OpenAIApi:
         return JSONResponse(body, headers=headers)
 
 
+KEEP_ALIVE_COMMENT = ": waiting in the queue\n\n"
+
+
 async def _events(generation: Generation, renderer: Renderer, log_) -> AsyncIterator[str]:
     """The SSE body. Cancelled when the client disconnects (Starlette listens for it): the
     ``finally`` then cancels the Generate call."""
@@ -167,7 +172,8 @@ async def _events(generation: Generation, renderer: Renderer, log_) -> AsyncIter
         if renderer.kind == "chat":
             yield renderer.chunk(role=True)
         async for piece in generation.pieces():
-            yield renderer.chunk(piece)
+            # A keep-alive is an SSE comment: clients skip it, and proxies see the stream live.
+            yield renderer.chunk(piece) if piece != KEEP_ALIVE else KEEP_ALIVE_COMMENT
         yield renderer.chunk(finish_reason=generation.finish_reason)
         if renderer.include_usage:
             yield renderer.usage_chunk(generation.usage)

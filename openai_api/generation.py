@@ -2,9 +2,12 @@
 ``OpenAIError``) or started, then the completion's text piece by piece, then why it ended and
 the token counts.
 
-A streamed response starts (HTTP 200) only once the request is running on a worker (its first
-prefill progress or token): until then the scheduler may still refuse it (a shed batch
-request), and that must reach the client as a status (429), not as an event inside a 200.
+A streamed response starts (HTTP 200) once the request is running on a worker (its first
+prefill progress or token), or once it has waited in its queue for the queue service's
+heartbeat interval (``StillWaiting``), whichever comes first. Until then the scheduler may
+still refuse it (a shed batch request), and that reaches the client as a status (429), not as
+an event inside a 200; a request that waits longer than that must not be cut by a proxy's idle
+timeout, so its stream starts and carries a keep-alive (an SSE comment) per heartbeat.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from openai_api.stops import StopScanner
 from tierflow.v1 import serving_pb2
 
 _CONTENT = ("first_token", "token", "done")
+# A piece of ``pieces()`` that says only "still waiting": a stream sends a keep-alive for it.
+KEEP_ALIVE = ""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class Generation:
         self._retry_after_s = retry_after_s
         self._started = False
         self._first: serving_pb2.GenerateEvent | None = None  # read by start(), not yet used
-        self.tier = ""
+        self.tier = ""  # the tier that serves it (Queued.tier)
+        self.requested_tier = ""  # the tier asked for, when it is served at a lower one
         self.finish_reason: str | None = None
         self._prompt_tokens = 0
         self._completion_tokens = 0
@@ -64,15 +70,17 @@ class Generation:
             kind = event.WhichOneof("event")
             if kind == "queued":
                 self.tier = event.queued.tier
+                self.requested_tier = event.queued.requested_tier
                 self._prompt_tokens = event.queued.prompt_tokens
                 continue
-            if kind in _CONTENT:
+            if kind in _CONTENT or kind == "still_waiting":
                 self._first = event
             self._started = True
             return
 
     async def pieces(self) -> AsyncIterator[str]:
-        """The completion's text as it is generated, until it is done or hits a stop string."""
+        """The completion's text as it is generated, until it is done or hits a stop string;
+        ``KEEP_ALIVE`` for each heartbeat of a request that still waits."""
         await self.start()
         event, self._first = self._first, None
         while self.finish_reason is None:
@@ -80,6 +88,10 @@ class Generation:
                 event = await self._read()
                 if event is None:
                     raise OpenAIError(502, "the queue service ended the request before Done")
+            if event.WhichOneof("event") == "still_waiting":
+                yield KEEP_ALIVE
+                event = None
+                continue
             piece = self._apply(event)
             event = None
             if piece:
@@ -120,5 +132,9 @@ class Generation:
         try:
             event = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc.code(), exc.details(), retry_after_s=self._retry_after_s) from None
+            # The queue service's own retry-after (a tier at capacity) wins over the default.
+            trailers = exc.trailing_metadata() or ()
+            told = next((str(v) for k, v in trailers if k == "retry-after"), "")
+            retry_after_s = int(told) if told.isdigit() else self._retry_after_s
+            raise from_grpc(exc.code(), exc.details(), retry_after_s=retry_after_s) from None
         return None if event is grpc.aio.EOF else event

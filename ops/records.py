@@ -55,6 +55,9 @@ class LogRecord:
     worker_id: str = ""
     finished_s: float | None = None
     tbt_slo_s: float | None = None  # None: no TBT target, or not known
+    # The tier asked for, when admission served it at ``tier`` because the asked one was at
+    # capacity; "" when served as asked.
+    requested_tier: str = ""
 
     @classmethod
     def from_proto(cls, m: queue_pb2.FinishedRequest) -> LogRecord:
@@ -75,6 +78,7 @@ class LogRecord:
             worker_id=m.worker_id,
             finished_s=m.finished_unix_ms / 1000 if m.finished_unix_ms else None,
             tbt_slo_s=m.tbt_slo_ms / 1000 if m.tbt_slo_ms > 0 else None,
+            requested_tier=m.requested_tier,
         )
 
     @property
@@ -239,12 +243,12 @@ def read_source(
         window = {"since_s": since_s, "until_s": until_s, "progress": progress}
         return (LogRecord.from_proto(m) for m in iter_kafka(settings, **window))
     path = Path(source)
-    if _is_dump(path):
+    if is_request_log_dump(path):
         return (LogRecord.from_proto(m) for m in iter_dump(path, progress))
     return iter_trace(path, trace_options, progress)
 
 
-def _is_dump(path: Path) -> bool:
+def is_request_log_dump(path: Path) -> bool:
     with open(path, encoding="utf-8") as f:
         first = f.readline()
     try:

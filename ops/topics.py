@@ -22,7 +22,12 @@ from tierflow.v1 import queue_pb2
 
 MESSAGES: dict[str, type[Message]] = {
     m.DESCRIPTOR.full_name: m
-    for m in (queue_pb2.QueuedRequest, queue_pb2.ReplyRecord, queue_pb2.FinishedRequest)
+    for m in (
+        queue_pb2.QueuedRequest,
+        queue_pb2.ReplyRecord,
+        queue_pb2.FinishedRequest,
+        queue_pb2.TierCapacity,
+    )
 }
 
 
@@ -36,6 +41,8 @@ def message_type(topic: str, headers: list[tuple[str, bytes]] | None) -> type[Me
         return queue_pb2.ReplyRecord
     if topic.endswith("request_log"):
         return queue_pb2.FinishedRequest
+    if topic.endswith("capacity"):
+        return queue_pb2.TierCapacity
     return None
 
 

@@ -38,5 +38,13 @@ class QueueServiceConfig:
     # A client stream ends this long before its gRPC deadline (at most a quarter of it), so that
     # its terminal event and status beat the edge's timer for the same deadline.
     deadline_margin_s: float = 0.5
+    # A client stream with nothing to send for this long gets a Heartbeat event, so that no
+    # proxy's idle timeout (Envoy's: 60 s on the critical route) cuts a request still queued.
+    stream_heartbeat_s: float = 10.0
+    # Admission against capacity (tiers with an `overflow` rule): how often an instance that
+    # schedules such a tier publishes its load to every instance, and how old a load may be
+    # before it no longer counts (its owner is gone).
+    capacity_publish_s: float = 0.2
+    capacity_stale_s: float = 3.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics and request-log records
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port

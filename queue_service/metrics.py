@@ -9,7 +9,14 @@ Counted when a request ends (from its request-log record, so the metrics and the
   service streamed them (one observation per token; the buckets include every TBT target);
 * ``tierflow_slo_violations_total{tier}``: done over the TTFT SLO, or shed or failed;
 * ``tierflow_tbt_violations_total{tier}``: done with its token gaps' p99 over the tier's
-  ``tbt_slo_s`` (``queue_service.core.finished.violated_tbt``).
+  ``tbt_slo_s`` (``queue_service.core.finished.violated_tbt``);
+* ``tierflow_tokens_total{tier,served_tier,kind}``: prompt and output tokens of done requests,
+  by the tier asked for and the tier that served them (they differ for a request downgraded at
+  capacity; ``tierflow_requests_total``'s ``tier`` is the served one);
+* ``tierflow_key_tokens_total{key,served_tier,kind}``: the same per API key label. The
+  gateway sets a label only from ``config/keys.toml``, so there are at most as many as keys;
+  past ``max_key_series`` labels (a caller that bypassed the edge) the rest count as
+  ``other``, so no client can grow the series without bound.
 
 Counted as it happens: ``tierflow_preemptions_total{tier,kind}`` (kind ``kept``: the state stays
 for a resume; ``dropped``: recomputed later) and ``tierflow_preemption_latency_seconds`` (signal
@@ -30,6 +37,7 @@ from tierflow.metrics import DEPLOYMENT_LABEL, latency_buckets
 from tierflow.v1 import queue_pb2
 
 _D = DEPLOYMENT_LABEL
+OTHER_KEYS = "other"
 _PREEMPTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -39,6 +47,8 @@ class QueueServiceMetrics:
         deployment: str,
         slos_s: dict[str, float],
         tbt_slos_s: dict[str, float | None] | None = None,
+        *,
+        max_key_series: int = 1000,
     ) -> None:
         tbt_targets = [s for s in (tbt_slos_s or {}).values() if s]
         self.deployment = deployment
@@ -81,6 +91,16 @@ class QueueServiceMetrics:
             [_D], registry=r,
         )  # fmt: skip
         self.workers = Gauge("tierflow_workers", "Attached workers", [_D], registry=r)
+        self.tokens = Counter(
+            "tierflow_tokens", "Tokens of done requests, by tier asked for and tier served",
+            [_D, "tier", "served_tier", "kind"], registry=r,
+        )  # fmt: skip
+        self.key_tokens = Counter(
+            "tierflow_key_tokens", "Tokens of done requests per API key label and tier served",
+            [_D, "key", "served_tier", "kind"], registry=r,
+        )  # fmt: skip
+        self.max_key_series = max_key_series
+        self._keys: set[str] = set()
         for tier in slos_s:  # every series exists from the start: rate() needs a zero
             self.violations.labels(deployment, tier)
             self.tbt_violations.labels(deployment, tier)
@@ -96,6 +116,7 @@ class QueueServiceMetrics:
         d, tier = self.deployment, record.tier
         self.requests.labels(d, tier, record.status).inc()
         if record.status == "done":
+            self._count_tokens(record)
             self.ttft.labels(d, tier).observe(record.ttft_ms / 1000)
             tbt = self.tbt.labels(d, tier)
             for gap in token_gaps_s:
@@ -104,6 +125,18 @@ class QueueServiceMetrics:
             self.violations.labels(d, tier).inc()
         if violated_tbt(record):
             self.tbt_violations.labels(d, tier).inc()
+
+    def _count_tokens(self, record: queue_pb2.FinishedRequest) -> None:
+        d, served = self.deployment, record.tier
+        key = record.key_id
+        if key not in self._keys:
+            if len(self._keys) >= self.max_key_series:
+                key = OTHER_KEYS
+            else:
+                self._keys.add(key)
+        for kind, n in (("prompt", record.prompt_tokens), ("output", record.output_tokens)):
+            self.tokens.labels(d, record.requested_tier or served, served, kind).inc(n)
+            self.key_tokens.labels(d, key, served, kind).inc(n)
 
     def preempted(self, tier: str, latency_s: float, state_dropped: bool) -> None:
         kind = "dropped" if state_dropped else "kept"

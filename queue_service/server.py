@@ -28,7 +28,8 @@ from queue_service.clients.admission import AdmissionLimits
 from queue_service.clients.api import ClientApi
 from queue_service.clients.wire import add_client_api
 from queue_service.config import QueueServiceConfig
-from queue_service.core.finished import finished_record
+from queue_service.core.capacity_board import CapacityBoard, load_record, published_load
+from queue_service.core.finished import finished_record, refused_record
 from queue_service.core.live import LiveRequest
 from queue_service.core.service_core import ServiceCore, Transport
 from queue_service.metrics import QueueServiceMetrics
@@ -44,7 +45,7 @@ from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.metrics import serve_metrics
 from tierflow.tiers import load_tiers
-from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("queue_service")
 
@@ -98,6 +99,8 @@ class QueueService:
             decode_stream=lambda: info.tokenizer.decode_stream(skip_special_tokens=True).step,
         )
         self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.capacity_tiers = tuple(t.name for t in tiers if t.overflow is not None)
+        self.board = CapacityBoard(config.instance_id, tiers, stale_after_s=config.capacity_stale_s)
         self.clients = ClientApi(
             self.core,
             tiers,
@@ -105,10 +108,13 @@ class QueueService:
                 max_prompt_tokens=info.max_positions - 1, max_new_tokens=config.max_new_tokens
             ),
             publish=self.kafka.publish,
+            board=self.board,
             tokenize=info.tokenizer.encode,
             vocab_size=info.vocab_size,
             deadline_margin_s=config.deadline_margin_s,
+            heartbeat_s=config.stream_heartbeat_s,
             deployment=config.deployment,
+            refused=self._refused,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
@@ -139,6 +145,18 @@ class QueueService:
         self.metrics.request_ended(record, live.token_gaps_s)
         self.kafka.publish_finished(record)
 
+    def _refused(self, queued: queue_pb2.QueuedRequest) -> None:
+        """A request refused for load at admission: a record too (metering, audit)."""
+        record = refused_record(
+            queued,
+            deployment=self.config.deployment,
+            policy=self.config.policy,
+            slo_s=self.slos_s.get(queued.tier, 0.0),
+            tbt_slo_s=self.tbt_slos_s.get(queued.tier),
+        )
+        self.metrics.request_ended(record, [])
+        self.kafka.publish_finished(record)
+
     async def _sample_metrics(self) -> None:
         while True:
             self.metrics.sample(
@@ -148,6 +166,22 @@ class QueueService:
                 len(self.workers.sessions),
             )
             await asyncio.sleep(METRICS_SAMPLE_S)
+
+    async def _publish_capacity(self) -> None:
+        """Every ``capacity_publish_s``, the load of each tier with an overflow rule that this
+        instance schedules (a partition of its topic is assigned here), for admission on
+        every instance (``queue_service/core/capacity_board.py``)."""
+        while True:
+            for tier in self.capacity_tiers:
+                if tier in self.kafka.owned_tiers:
+                    self.kafka.publish_capacity(load_record(self.core.tier_load(tier)))
+            await asyncio.sleep(self.config.capacity_publish_s)
+
+    def _capacity_read(self, record) -> None:
+        try:
+            self.board.update(published_load(record))
+        except ValueError as exc:
+            log.error("malformed tier load ignored", error=str(exc))
 
     async def _follow_readiness(self) -> None:
         """Health follows whether a client can be served; waiting requests with no worker
@@ -173,9 +207,10 @@ class QueueService:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
         await self.server.start()
-        self.kafka.start(loop, self.core.on_delivered, self.core.deliver_reply)
+        self.kafka.start(loop, self.core.on_delivered, self.core.deliver_reply, self._capacity_read)
         watchdog = asyncio.create_task(self.workers.watch_heartbeats())
         sampler = asyncio.create_task(self._sample_metrics())
+        publisher = asyncio.create_task(self._publish_capacity())
         endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
         await self.health.set("tierflow.v1.WorkerControl", health_pb2.HealthCheckResponse.SERVING)
         readiness = asyncio.create_task(self._follow_readiness())
@@ -203,6 +238,7 @@ class QueueService:
         watchdog.cancel()
         await self.server.stop(self.config.grace_s)
         sampler.cancel()
+        publisher.cancel()
         await loop.run_in_executor(None, self.kafka.stop)
         if endpoint is not None:
             endpoint.close()
@@ -232,6 +268,10 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         "--deadline-margin", type=float, default=defaults.deadline_margin_s,
         help="seconds before a client's gRPC deadline its stream ends (beats the edge's timer)",
     )  # fmt: skip
+    p.add_argument(
+        "--stream-heartbeat", type=float, default=defaults.stream_heartbeat_s,
+        help="seconds of silence after which a client stream gets a Heartbeat event",
+    )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
     args = p.parse_args(argv)
@@ -252,6 +292,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         no_worker_timeout_s=args.no_worker_timeout,
         max_queued_sheddable=args.max_queued_sheddable,
         deadline_margin_s=args.deadline_margin,
+        stream_heartbeat_s=args.stream_heartbeat,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         **extra,

@@ -52,12 +52,13 @@ class Completion:
     """The events of one Generate call, collected."""
 
     request_id: str
-    tier: str
+    tier: str  # the tier that served it
     first_token_text: str
     text: str
     ttft_ms: float
     timings: serving_pb2.Timings
     events: tuple[serving_pb2.GenerateEvent, ...]
+    requested_tier: str = ""  # the tier asked for, when it was served at a lower one
 
 
 def generate_request(
@@ -150,9 +151,11 @@ class TierflowClient:
         done = by_kind["done"].done
         # A retried request that had already finished is answered with its Done event alone.
         first = by_kind["first_token"].first_token if "first_token" in by_kind else None
+        queued = by_kind["queued"].queued if "queued" in by_kind else serving_pb2.Queued()
         return Completion(
             request_id=events[0].request_id,
-            tier=by_kind["queued"].queued.tier if "queued" in by_kind else "",
+            tier=queued.tier,
+            requested_tier=queued.requested_tier,
             first_token_text=first.text if first else "",
             text=done.text,
             ttft_ms=first.ttft_ms if first else done.timings.ttft_ms,

@@ -22,8 +22,10 @@ a few hundred bytes that must reach the scheduler in milliseconds, while the vol
 Topic names: ``<prefix>priority_<tier>`` for the tier queues (docs/design.md, "Data flow"),
 ``<prefix>reply_<id>`` for the reply topic of one queue-service instance, ``<prefix>request_log``
 for the record of every finished request (kept ``request_log_retention_ms``, a week by
-default). A canary deployment has tier topics of its own (another prefix) but writes to the
-primary's request log (``request_log``), so that one topic holds both sides of a rollout.
+default), ``<prefix>capacity`` for the committed work of tiers with an overflow rule (read by
+admission on every instance; kept ``capacity_retention_ms``). A canary deployment has tier
+topics of its own (another prefix) but writes to the primary's request log (``request_log``),
+so that one topic holds both sides of a rollout.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def request_log_topic(prefix: str) -> str:
     return _check_topic(f"{prefix}request_log")
 
 
+def capacity_topic(prefix: str) -> str:
+    """The topic of tier loads for admission against capacity (``TierCapacity`` records)."""
+    return _check_topic(f"{prefix}capacity")
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
     """Where the broker is, what the topics are called, and how clients behave."""
@@ -90,6 +97,8 @@ class KafkaSettings:
     # The request-log topic; "": <prefix>request_log. What an audit reads: a week of it.
     request_log: str = ""
     request_log_retention_ms: int = 7 * 24 * 60 * 60 * 1000
+    # Tier loads are republished several times a second and useless after a few: a minute.
+    capacity_retention_ms: int = 60 * 1000
 
     # Producer: how long a publish may take before the client hears UNAVAILABLE.
     request_timeout_ms: int = 5_000
@@ -167,6 +176,10 @@ class KafkaSettings:
         if self.request_log:
             return _check_topic(self.request_log)
         return request_log_topic(self.topic_prefix)
+
+    @property
+    def capacity_topic(self) -> str:
+        return capacity_topic(self.topic_prefix)
 
     # Client configurations (kafka-python 3 keyword arguments).
 

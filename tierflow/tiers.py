@@ -21,7 +21,10 @@ DEFAULT_TIERS_PATH = Path(__file__).resolve().parents[1] / "config" / "tiers.tom
 TIERS_FILE_ENV = "TIERFLOW_TIERS_FILE"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_KEYS = {"rank", "ttft_slo_s", "tbt_slo_s", "sheddable"}
+_KEYS = {"rank", "ttft_slo_s", "tbt_slo_s", "sheddable", "overflow"}
+# What admission does with a request of a tier whose capacity it would exceed
+# (``queue_service.scheduler.capacity``): serve it at the next tier down, or refuse it.
+OVERFLOW_RULES = ("downgrade", "reject")
 
 
 # The metadata headers of the edge contract (docs/design.md, "Contracts between the parts"):
@@ -32,6 +35,10 @@ TIER_HEADER = "x-tierflow-tier"
 # The label of the key that sent a request (set by the gateway, never the key): the request log
 # records it, so an audit can tell customers apart without holding their keys.
 KEY_ID_HEADER = "x-tierflow-key-id"
+# On a response: the tier the key asked for, when admission served the request at a lower one
+# because the asked tier was at capacity (its overflow rule); x-tierflow-tier names the one
+# that served it.
+REQUESTED_TIER_HEADER = "x-tierflow-requested-tier"
 
 
 class UnknownTierError(ValueError):
@@ -47,6 +54,8 @@ class TierPolicy:
     # Time between tokens while decoding: the batched engine slots a decode step into a running
     # prefill when waiting longer would miss it. None: no target (decode waits for prefills).
     tbt_slo_s: float | None = None
+    # Admission against the tier's capacity: "downgrade", "reject", or None (admit everything).
+    overflow: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -71,6 +80,11 @@ class TierPolicy:
             raise ValueError(
                 f"tier {self.name!r}: sheddable must be true or false, got {self.sheddable!r}"
             )
+        if self.overflow is not None and self.overflow not in OVERFLOW_RULES:
+            raise ValueError(
+                f"tier {self.name!r}: overflow must be one of {', '.join(OVERFLOW_RULES)}, "
+                f"got {self.overflow!r}"
+            )
 
 
 class TierTable:
@@ -94,6 +108,16 @@ class TierTable:
             ranks[tier.rank] = tier.name
         self._ordered = tuple(ordered)
         self._by_name = by_name
+        last = ordered[-1]
+        if last.overflow == "downgrade":
+            raise ValueError(
+                f"tier {last.name!r} is the lowest tier: it has no tier to downgrade to"
+            )
+
+    def below(self, name: str) -> TierPolicy | None:
+        """The next tier down from ``name`` (None for the lowest)."""
+        index = self._ordered.index(self.get(name))
+        return self._ordered[index + 1] if index + 1 < len(self._ordered) else None
 
     def get(self, name: str) -> TierPolicy:
         """The tier called ``name``; UnknownTierError (a ValueError) when there is none."""
@@ -148,6 +172,7 @@ class TierTable:
                         ttft_slo_s=body["ttft_slo_s"],
                         sheddable=body.get("sheddable", False),
                         tbt_slo_s=body.get("tbt_slo_s"),
+                        overflow=body.get("overflow"),
                     )
                 )
             except ValueError as exc:

@@ -6,6 +6,8 @@
   always bring in one more, so a full queue of batch work never holds a critical request back.
 - reply thread: reads this instance's reply topic (events of its clients' requests that another
   instance runs) and hands them to the loop.
+- capacity thread: reads the capacity topic (every owner's load of the tiers with an overflow
+  rule, ``queue_service/core/capacity_board.py``) and hands each load to the loop.
 - both threads outlive any error a Kafka call raises (``run_until_stopped``): logged, retried.
 - ``publish`` (an executor thread per call, it blocks until the broker's ack) and
   ``finished`` (any thread; the consumer thread commits) are called from the loop.
@@ -27,6 +29,7 @@ from queue_service.broker.io import (
     QueueUnavailableError,
     ReplyConsumer,
     RequestLog,
+    TailConsumer,
     ensure_topics,
 )
 from queue_service.broker.priority_consumer import DeliveredRequest, PriorityConsumer
@@ -75,7 +78,9 @@ class KafkaBridge:
         max_live: int,
         live_count: Callable[[], int],
     ) -> None:
-        ensure_topics(settings, tiers.names, reply_instances=[instance_id], request_log=True)
+        ensure_topics(
+            settings, tiers.names, reply_instances=[instance_id], request_log=True, capacity=True
+        )
         self.settings = settings
         self.tiers = tiers
         self.instance_id = instance_id
@@ -84,9 +89,11 @@ class KafkaBridge:
         self.request_log = RequestLog(settings)
         self.consumer = PriorityConsumer(settings, tiers)
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
+        self.capacity = TailConsumer(settings, settings.capacity_topic, queue_pb2.TierCapacity)
         self.breaker = KafkaBreaker.for_kafka(settings, on_recovered=self.renew_clients)
         self._renew_consumer = threading.Event()
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
+        self.owned_tiers: frozenset[str] = frozenset()  # tiers with a partition assigned here
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -95,6 +102,7 @@ class KafkaBridge:
         loop: asyncio.AbstractEventLoop,
         on_delivered: Callable[[queue_pb2.QueuedRequest, DeliveredRequest], None],
         on_reply: Callable[[queue_pb2.ReplyRecord], None],
+        on_capacity: Callable[[queue_pb2.TierCapacity], None],
     ) -> None:
         top_tier = self.tiers.names[0]
 
@@ -106,12 +114,17 @@ class KafkaBridge:
                 room = 1
             for delivered in self.consumer.poll(POLL_TIMEOUT_S, max_records=max(room, 0)):
                 loop.call_soon_threadsafe(on_delivered, delivered.request, delivered)
-            # Swapped whole: the metrics read it from another thread.
+            # Swapped whole: the metrics and the capacity publisher read them from the loop.
             self.kafka_waiting = self.consumer.waiting()
+            self.owned_tiers = self.consumer.owned_tiers()
 
         def read_replies_once() -> None:
             for reply in self.replies.poll(POLL_TIMEOUT_S):
                 loop.call_soon_threadsafe(on_reply, reply)
+
+        def read_capacity_once() -> None:
+            for load in self.capacity.poll(POLL_TIMEOUT_S):
+                loop.call_soon_threadsafe(on_capacity, load)
 
         def consume() -> None:
             run_until_stopped(self._stop, consume_once, "kafka-consumer")
@@ -121,7 +134,16 @@ class KafkaBridge:
             run_until_stopped(self._stop, read_replies_once, "kafka-replies")
             self.replies.close()
 
-        for target, name in ((consume, "kafka-consumer"), (read_replies, "kafka-replies")):
+        def read_capacity() -> None:
+            run_until_stopped(self._stop, read_capacity_once, "kafka-capacity")
+            self.capacity.close()
+
+        threads = (
+            (consume, "kafka-consumer"),
+            (read_replies, "kafka-replies"),
+            (read_capacity, "kafka-capacity"),
+        )
+        for target, name in threads:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -170,6 +192,10 @@ class KafkaBridge:
             log.error("reply dropped: kafka is down", request_id=reply.request_id, to=instance_id)
             return
         self.request_log.publish_reply(instance_id, reply)
+
+    def publish_capacity(self, record: queue_pb2.TierCapacity) -> None:
+        if not self.breaker.is_open:  # a load is republished soon: none is worth a log line
+            self.request_log.publish_capacity(record)
 
     def publish_finished(self, record: queue_pb2.FinishedRequest) -> None:
         if self.breaker.is_open:

@@ -70,11 +70,13 @@ def ensure_topics(
     *,
     reply_instances: Iterable[str] = (),
     request_log: bool = False,
+    capacity: bool = False,
     timeout_s: float = 30.0,
 ) -> list[str]:
     """Create the tier topics (the reply topics of ``reply_instances``, the request-log topic
-    with ``request_log``) that do not exist yet, and wait until they can be used. Returns the
-    names created; safe to run concurrently from several instances."""
+    with ``request_log``, the capacity topic with ``capacity``) that do not exist yet, and wait
+    until they can be used. Returns the names created; safe to run concurrently from several
+    instances."""
     wanted: dict[str, dict] = {
         settings.tier_topic(t): {
             "num_partitions": settings.partitions,
@@ -94,6 +96,12 @@ def ensure_topics(
             "num_partitions": 1,
             "replication_factor": settings.replication_factor,
             "configs": {"retention.ms": str(settings.request_log_retention_ms)},
+        }
+    if capacity:
+        wanted[settings.capacity_topic] = {
+            "num_partitions": 1,
+            "replication_factor": settings.replication_factor,
+            "configs": {"retention.ms": str(settings.capacity_retention_ms)},
         }
     if not wanted:
         return []
@@ -158,41 +166,36 @@ class RequestLog:
         """Queue ``reply`` for the reply topic of ``instance_id``; never blocks. The future ends
         when the broker acknowledged (or with QueueUnavailableError, which is also logged)."""
         topic = self.settings.reply_topic(instance_id)
-        future = self._reply_sender.submit(
-            self._send_and_wait, topic, reply.request_id, reply, None
-        )
-
-        def log_failure(done: concurrent.futures.Future[None]) -> None:
-            if not done.cancelled() and done.exception() is not None:
-                log.error(
-                    "reply not delivered",
-                    request_id=reply.request_id,
-                    instance=instance_id,
-                    error=str(done.exception()),
-                )
-
-        future.add_done_callback(log_failure)
-        return future
+        return self._queue(
+            topic, reply.request_id, reply, "reply not delivered",
+            request_id=reply.request_id, instance=instance_id,
+        )  # fmt: skip
 
     def publish_finished(
         self, record: queue_pb2.FinishedRequest
     ) -> concurrent.futures.Future[None]:
         """Queue a finished request's record for the request-log topic; never blocks."""
-        future = self._reply_sender.submit(
-            self._send_and_wait,
-            self.settings.request_log_topic,
-            record.request_id,
-            record,
-            None,
-        )
+        return self._queue(
+            self.settings.request_log_topic, record.request_id, record,
+            "request-log record not written", request_id=record.request_id,
+        )  # fmt: skip
+
+    def publish_capacity(self, record: queue_pb2.TierCapacity) -> concurrent.futures.Future[None]:
+        """Queue one owner's load of a tier for the capacity topic; never blocks."""
+        return self._queue(
+            self.settings.capacity_topic, f"{record.tier}/{record.instance_id}", record,
+            "tier load not published", tier=record.tier,
+        )  # fmt: skip
+
+    def _queue(
+        self, topic: str, key: str, message: Message, failure: str, **context: str
+    ) -> concurrent.futures.Future[None]:
+        """Send on the one sending thread, in order; a failure is logged with ``context``."""
+        future = self._reply_sender.submit(self._send_and_wait, topic, key, message, None)
 
         def log_failure(done: concurrent.futures.Future[None]) -> None:
             if not done.cancelled() and done.exception() is not None:
-                log.error(
-                    "request-log record not written",
-                    request_id=record.request_id,
-                    error=str(done.exception()),
-                )
+                log.error(failure, error=str(done.exception()), **context)
 
         future.add_done_callback(log_failure)
         return future
@@ -247,51 +250,65 @@ class RequestLog:
 # ---------------------------------------------------------------------------------- consumer
 
 
-class ReplyConsumer:
-    """Reads the reply topic of one queue-service instance: events of its clients' requests that
-    other instances run. No consumer group: the instance is the only reader, and replies from
-    before it started are of no use (their client streams died with the previous process), so it
-    starts at the end of the topic. All calls from one thread."""
+class TailConsumer:
+    """Reads one topic's new records, all partitions, as messages of one type. No consumer
+    group: every reader reads everything, from the end of the topic when it started (what came
+    before is of no use to it). All calls from one thread."""
 
-    def __init__(
-        self, settings: KafkaSettings, instance_id: str, *, create_topic: bool = True
-    ) -> None:
+    def __init__(self, settings: KafkaSettings, topic: str, message: type[Message]) -> None:
         self.settings = settings
-        self.instance_id = instance_id
-        self.topic = settings.reply_topic(instance_id)
-        if create_topic:
-            ensure_topics(settings, (), reply_instances=[instance_id])
+        self.topic = topic
+        self.message = message
         try:
             self._consumer = KafkaConsumer(**settings.consumer_config(standalone=True))
             partitions = self._consumer.partitions_for_topic(self.topic)
             if not partitions:
-                raise QueueUnavailableError(f"reply topic {self.topic} does not exist")
+                raise QueueUnavailableError(f"topic {self.topic} does not exist")
             tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
             self._consumer.assign(tps)
             self._consumer.seek_to_end(*tps)
-            # Resolve the end now: a reply written after the constructor returns is not missed.
+            # Resolve the end now: a record written after the constructor returns is not missed.
             for tp in tps:
                 self._consumer.position(tp, timeout_ms=settings.bootstrap_timeout_ms)
         except KafkaError as exc:
             raise QueueUnavailableError(f"Kafka at {settings.bootstrap}: {exc!r}") from exc
         self.undecodable = 0
 
-    def poll(self, timeout: float = 0.0, max_records: int = 256) -> list[queue_pb2.ReplyRecord]:
+    def poll(self, timeout: float = 0.0, max_records: int = 256) -> list[Message]:
         records = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
         out = []
         for rec in itertools.chain.from_iterable(records.values()):
             try:
-                out.append(queue_pb2.ReplyRecord.FromString(rec.value or b""))
+                out.append(self.message.FromString(rec.value or b""))
             except DecodeError:
                 self.undecodable += 1
-                log.error("skipping a record that is not a ReplyRecord", offset=rec.offset)
+                log.error(
+                    "skipping an undecodable record",
+                    topic=self.topic,
+                    offset=rec.offset,
+                    expected=self.message.DESCRIPTOR.full_name,
+                )
         return out
 
     def close(self, timeout: float = 10.0) -> None:
         self._consumer.close(autocommit=False, timeout_ms=int(timeout * 1000))
 
-    def __enter__(self) -> ReplyConsumer:
+    def __enter__(self) -> TailConsumer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ReplyConsumer(TailConsumer):
+    """Reads the reply topic of one queue-service instance: events of its clients' requests that
+    other instances run. The instance is its only reader, and replies from before it started are
+    of no use (their client streams died with the previous process)."""
+
+    def __init__(
+        self, settings: KafkaSettings, instance_id: str, *, create_topic: bool = True
+    ) -> None:
+        self.instance_id = instance_id
+        if create_topic:
+            ensure_topics(settings, (), reply_instances=[instance_id])
+        super().__init__(settings, settings.reply_topic(instance_id), queue_pb2.ReplyRecord)

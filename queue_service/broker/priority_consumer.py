@@ -188,6 +188,11 @@ class PriorityConsumer:
                 counts[self._tier_of_topic[tp.topic]] += lag
         return counts
 
+    def owned_tiers(self) -> frozenset[str]:
+        """Tiers with at least one partition assigned to this consumer: what it schedules."""
+        topics = {tp.topic for tp in self._consumer.assignment()}
+        return frozenset(t for topic, t in self._tier_of_topic.items() if topic in topics)
+
     def paused_tiers(self) -> frozenset[str]:
         """Tiers whose partitions are all paused (some more important tier has work)."""
         assigned = self._consumer.assignment()

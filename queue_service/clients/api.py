@@ -1,8 +1,11 @@
 """The client API servicer (``tierflow.v1.Tierflow``): admission, Kafka, then the event stream.
 
-Generate: read the tier from the edge's header, validate and tokenise, register the client's
-stream, write the request to its tier's Kafka topic and wait for the broker's acknowledgement,
-then answer ``Queued`` and relay the request's events until ``Done`` or an error. The request
+Generate: read the tier from the edge's header, validate and tokenise, place it against its
+tier's capacity (``queue_service/core/capacity_board.py``: served at its tier, at the next tier
+down, or refused with RESOURCE_EXHAUSTED and ``retry-after``), register the client's stream,
+write the request to its served tier's Kafka topic and wait for the broker's acknowledgement,
+then answer ``Queued`` (the tier that serves it, and the one asked for when they differ) and
+relay the request's events until ``Done`` or an error. The request
 reaches the scheduler when the priority consumer reads it back from Kafka, so what the client
 was told is queued is durable. A client that cancels, disconnects or runs out of time cancels
 its request: a running prefill stops at the next layer boundary.
@@ -38,6 +41,7 @@ from queue_service.clients.admission import (
     tier_from_metadata,
 )
 from queue_service.clients.wire import Unparsable
+from queue_service.core.capacity_board import CapacityBoard
 from queue_service.core.live import LiveRequest, Outcome
 from queue_service.core.service_core import ClientError, ClientItem, ServiceCore
 from tierflow.tiers import TierTable
@@ -54,18 +58,25 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         limits: AdmissionLimits,
         *,
         publish: Callable[[queue_pb2.QueuedRequest], None],
+        board: CapacityBoard,
         tokenize: Callable[[str], list[int]],
         vocab_size: int,
         deadline_margin_s: float = 0.5,
+        heartbeat_s: float = 10.0,
         deployment: str = "",
+        refused: Callable[[queue_pb2.QueuedRequest], None] = lambda record: None,
     ) -> None:
         self.core = core
         self.tiers = tiers
         self.limits = limits
         self.publish = publish  # blocking until the broker acknowledged (acks=all)
+        self.board = board
         self.tokenize = tokenize
         self.vocab_size = vocab_size
         self.deadline_margin_s = deadline_margin_s
+        self.heartbeat_s = heartbeat_s
+        # The request log's record of a request refused for load before it was queued.
+        self.refused = refused
         self.deployment = deployment
 
     async def Generate(
@@ -93,9 +104,17 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
                 log.info("client joined a live request", request_id=request_id)
             for event in joined:  # the tokens it produced before this client joined
                 yield event
-            deadline = None if intake.timeout_s is None else time.monotonic() + intake.timeout_s
+            queued_at = time.monotonic()
+            deadline = None if intake.timeout_s is None else queued_at + intake.timeout_s
             while True:
-                item = await self._next_item(queue, deadline)
+                item = await self._next_item(queue, deadline, self.heartbeat_s)
+                if item is HEARTBEAT:
+                    waited_ms = int((time.monotonic() - queued_at) * 1000)
+                    yield serving_pb2.GenerateEvent(
+                        request_id=client_id,
+                        still_waiting=serving_pb2.StillWaiting(waited_ms=waited_ms),
+                    )
+                    continue
                 if item is None or isinstance(item, ClientError):
                     # The service ended it (failed, rejected, stopping): the request is done with
                     # here. Its deadline passed: the finally clause cancels it.
@@ -194,12 +213,15 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
     async def _enqueue(
         self, intake: Intake, context: grpc.aio.ServicerContext
     ) -> serving_pb2.GenerateEvent:
-        """Write the request to its tier's topic; ``Queued`` once the broker acknowledged it.
-        A request the scheduler would shed is refused here, before it is queued."""
+        """Write the request to its served tier's topic; ``Queued`` once the broker
+        acknowledged it. A request its tier's overflow rule refuses, or that the scheduler
+        would shed, is refused here, before it is queued."""
         record = intake.record
+        await self._place(record, context)
         shed = self.core.shed_reason(record.tier)
         if shed is not None:
             log.info("shed at admission", request_id=record.request_id, reason=shed)
+            self.refused(record)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, shed)
         position = self.core.queue_position(record.tier)
         log_ = log.bind(request_id=record.request_id, tier=record.tier)
@@ -208,27 +230,58 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         except Exception as exc:  # broker unreachable or refused: nothing was queued
             log_.error("kafka publish failed", error=str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request queue unavailable: {exc}")
+        self.board.admitted(record.tier, record.arrival_unix_ms, len(record.prompt_ids))
         log_.info("queued", prompt_tokens=len(record.prompt_ids))
         return serving_pb2.GenerateEvent(
             request_id=intake.client_id,
             queued=serving_pb2.Queued(
                 tier=record.tier,
+                requested_tier=record.requested_tier,
                 position=position,
                 prompt_tokens=len(record.prompt_ids),
                 deployment=self.deployment,
             ),
         )
 
+    async def _place(self, record: queue_pb2.QueuedRequest, context) -> None:
+        """Apply the tier's overflow rule: ``record`` moves to the tier that serves it (the
+        asked tier kept in ``requested_tier``), or the call ends with RESOURCE_EXHAUSTED and a
+        ``retry-after`` in seconds."""
+        placement = self.board.place(record.tier, len(record.prompt_ids))
+        if placement.served_tier is None:
+            refusal = placement.refusal
+            log.info("refused at capacity", request_id=record.request_id, tier=record.tier)
+            if refusal.tier != record.tier:  # refused further down, after a downgrade
+                record.requested_tier, record.tier = record.tier, refusal.tier
+            self.refused(record)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                refusal.reason() + "; send it again later",
+                (("retry-after", str(refusal.retry_after_s)),),
+            )
+        if placement.downgraded:
+            log.info(
+                "downgraded at capacity",
+                request_id=record.request_id,
+                requested_tier=record.tier,
+                served_tier=placement.served_tier,
+                predicted_ttft_s=round(placement.verdicts[0].predicted_ttft_s, 3),
+            )
+            record.requested_tier = record.tier
+            record.tier = placement.served_tier
+
     @staticmethod
     async def _next_item(
-        queue: asyncio.Queue[ClientItem], deadline: float | None
-    ) -> ClientItem | None:
-        """The request's next event or error; None when its deadline passes first."""
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        queue: asyncio.Queue[ClientItem], deadline: float | None, heartbeat_s: float
+    ) -> ClientItem | object | None:
+        """The request's next event or error; HEARTBEAT when nothing came for ``heartbeat_s``;
+        None when its deadline passes first."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait = heartbeat_s if left is None else min(left, heartbeat_s)
         try:
             return await asyncio.wait_for(queue.get(), wait)
         except TimeoutError:
-            return None
+            return None if left is not None and left <= heartbeat_s else HEARTBEAT
 
     def end_streams(self, code: grpc.StatusCode, message: str) -> int:
         """End every open client stream with ``code`` (terminal event, then status) without
@@ -257,12 +310,16 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         return serving_pb2.RequestStatus(
             request_id=request.request_id,
             tier=live.record.tier,
+            requested_tier=live.record.requested_tier,
             state=live.state,
             usage=live.usage(),
             timings=live.timings(self.core.clock()),
             text=self.core.decode(live.output_ids),
             error=live.error,
         )
+
+
+HEARTBEAT = object()  # _next_item: nothing happened for a heartbeat interval
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ def finished_record(
     return queue_pb2.FinishedRequest(
         request_id=live.request_id,
         tier=live.record.tier,
+        requested_tier=live.record.requested_tier,
         key_id=live.record.key_id,
         prompt_tokens=len(live.record.prompt_ids),
         output_tokens=n_out if live.outcome is Outcome.DONE else 0,
@@ -54,6 +55,33 @@ def finished_record(
         slo_ms=slo_s * 1000,
         worker_id=live.worker_id or "",
         tbt_p99_ms=gap_p99_s(live.token_gaps_s) * 1000,
+        tbt_slo_ms=(tbt_slo_s or 0.0) * 1000,
+    )
+
+
+def refused_record(
+    record: queue_pb2.QueuedRequest,
+    *,
+    deployment: str,
+    policy: str,
+    slo_s: float,
+    tbt_slo_s: float | None = None,
+) -> queue_pb2.FinishedRequest:
+    """The record of a request refused for load at admission, before it was queued (its tier's
+    overflow rule ``reject``, or shedding): status ``shed``, nothing served. ``record.tier`` is
+    the tier that refused it."""
+    return queue_pb2.FinishedRequest(
+        request_id=record.request_id,
+        tier=record.tier,
+        requested_tier=record.requested_tier,
+        key_id=record.key_id,
+        prompt_tokens=len(record.prompt_ids),
+        arrival_unix_ms=record.arrival_unix_ms,
+        finished_unix_ms=int(time.time() * 1000),
+        status="shed",
+        deployment=deployment,
+        policy=policy,
+        slo_ms=slo_s * 1000,
         tbt_slo_ms=(tbt_slo_s or 0.0) * 1000,
     )
 

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import grpc
 import structlog
 
+from queue_service.core.capacity_board import PublishedLoad
 from queue_service.core.dispatcher import Dispatcher, WorkerHandle
 from queue_service.core.live import LiveRequest, Outcome
 from queue_service.scheduler import (
@@ -129,6 +130,9 @@ class ServiceCore:
         self.live: dict[str, LiveRequest] = {}
         self.finished: RecentMap[str, LiveRequest] = RecentMap(remember_finished)
         self.clients: dict[str, asyncio.Queue[ClientItem]] = {}
+        # Tier -> admitting instance -> the latest admission stamp delivered here: what this
+        # instance's published loads count (``capacity_board``).
+        self.counted_through: dict[str, dict[str, int]] = {}
         self.dispatcher = Dispatcher(
             scheduler,
             LoopTimers(lambda rid: self.dispatcher.fire_timer(rid), clock),
@@ -162,6 +166,15 @@ class ServiceCore:
 
     def queue_position(self, tier: str) -> int:
         return self.scheduler.queue_depth().get(tier, 0)
+
+    def tier_load(self, tier: str) -> PublishedLoad:
+        """This instance's load of ``tier``, as it publishes it for admission everywhere."""
+        return PublishedLoad(
+            instance_id=self.instance_id,
+            as_of_s=time.time(),
+            load=self.scheduler.tier_load(tier, self.clock()),
+            counted_through_ms=dict(self.counted_through.get(tier, {})),
+        )
 
     def lookup(self, request_id: str) -> LiveRequest | None:
         return self.live.get(request_id) or self.finished.get(request_id)
@@ -204,6 +217,8 @@ class ServiceCore:
             return
         live = LiveRequest(record=record, delivery=delivery, arrived_at=self._arrival(record))
         self.live[request_id] = live
+        counted = self.counted_through.setdefault(record.tier, {})
+        counted[record.reply_to] = max(counted.get(record.reply_to, 0), record.arrival_unix_ms)
         self.dispatcher.handle(
             RequestArrived(
                 request_id,

@@ -104,6 +104,12 @@ class PrefillTimePredictor:
         return self._coef
 
     @property
+    def calibrated(self) -> bool:
+        """Fitted to measurements of this machine (a calibration file's or observed ones), not
+        the fallback coefficients."""
+        return len(self._samples) >= self.min_samples
+
+    @property
     def window(self) -> int:
         return self._samples.maxlen or 0
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from queue_service.scheduler import decode_batch, packing, planner
+from queue_service.scheduler.capacity import TierLoad
 from queue_service.scheduler.events import (
     Assign,
     AssignPacked,
@@ -587,6 +588,24 @@ class Scheduler:
     def switch_s(self) -> float:
         """The observed p95 time for a preemption to take effect."""
         return self._estimator.switch.p95()
+
+    def tier_load(self, tier: str, now: float) -> TierLoad:
+        """The tier's committed work here, for admission against its capacity
+        (``capacity.judge``): the predicted prefill time left of its live requests."""
+        committed = sum(
+            self._estimator.prefill_left(r, now)
+            for r in self._requests.values()
+            if r.tier.name == tier
+        )
+        return TierLoad(
+            tier=tier,
+            workers=len(self._workers),
+            committed_s=committed,
+            switch_s=self.switch_s(),
+            margin=self.prediction_errors.margin(),
+            coefficients=self.predictor.coefficients,
+            calibrated=self.predictor.calibrated,
+        )
 
     def timers(self) -> dict[str, float]:
         """Request id -> the wake-up armed for it."""

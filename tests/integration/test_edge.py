@@ -276,6 +276,7 @@ class EdgeStack:
     target: str  # Envoy: gRPC and JSON (and the OpenAI API when started)
     port: int
     openai_api: ServiceProcess | None = None
+    kafka: KafkaSettings | None = None  # its own topics
 
     def client(self, key_tier: str, **kw) -> TierflowClient:
         """A client through Envoy with the demo key of ``key_tier``."""
@@ -296,13 +297,14 @@ def edge_stack(
     openai: bool = False,
     queue_service_args: list[str] | None = None,
     worker_args: list[str] | None = None,
+    tiers_toml: str = TIERS,
 ):
     prefix = f"t{uuid.uuid4().hex[:12]}."  # topics of this stack's own
     settings = KafkaSettings(
         bootstrap=kafka.bootstrap, topic_prefix=prefix, group_id=f"{prefix}queue"
     )
     tiers = tmp / "tiers.toml"
-    tiers.write_text(TIERS)
+    tiers.write_text(tiers_toml)
     started: list[ServiceProcess] = []
     try:
         qs, qs_target = start_queue_service(
@@ -327,7 +329,7 @@ def edge_stack(
             rate_limits=rate_limits,
         )
         started.append(envoy)
-        yield EdgeStack(qs, worker, gateway, envoy, f"127.0.0.1:{port}", port, openai_api)
+        yield EdgeStack(qs, worker, gateway, envoy, f"127.0.0.1:{port}", port, openai_api, settings)
     finally:
         for proc in reversed(started):
             proc.stop()

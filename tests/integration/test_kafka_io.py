@@ -262,7 +262,7 @@ def test_the_bridge_renews_its_consumer_after_an_outage_and_loses_nothing(
     threading.Thread(target=loop.run_forever, daemon=True).start()
     delivered: queue.Queue[DeliveredRequest] = queue.Queue()
     bridge = KafkaBridge(settings, UNIT_TIERS, "renew", max_live=100, live_count=lambda: 0)
-    bridge.start(loop, lambda record, d: delivered.put(d), lambda reply: None)
+    bridge.start(loop, lambda record, d: delivered.put(d), lambda reply: None, lambda load: None)
     try:
         bridge.request_log.publish(request("before", "standard"))
         first = delivered.get(timeout=DEADLINE_S)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from openai_api.errors import OpenAIError, from_grpc
-from openai_api.generation import Generation, Usage
+from openai_api.generation import KEEP_ALIVE, Generation, Usage
 from openai_api.render import DONE_EVENT, Renderer
 from openai_api.service_tiers import ServiceTiers
 from openai_api.stops import StopScanner
@@ -218,16 +218,19 @@ def test_grpc_statuses_become_openai_statuses():
 class ScriptedCall:
     """Stands in for a grpc.aio Generate call: its events, then EOF or an error."""
 
-    def __init__(self, events, error: grpc.StatusCode | None = None) -> None:
+    def __init__(self, events, error: grpc.StatusCode | None = None, trailers=()) -> None:
         self.events = list(events)
         self.error = error
+        self.trailers = grpc.aio.Metadata(*trailers)
         self.cancelled = False
 
     async def read(self):
         if self.events:
             return self.events.pop(0)
         if self.error is not None:
-            raise grpc.aio.AioRpcError(self.error, None, None, details="overloaded")
+            raise grpc.aio.AioRpcError(
+                self.error, grpc.aio.Metadata(), self.trailers, details="overloaded"
+            )
         return grpc.aio.EOF
 
     def cancel(self) -> bool:
@@ -295,3 +298,30 @@ def test_generation_refused_after_queued_is_an_openai_error():
     with pytest.raises(OpenAIError) as err:
         run(go())
     assert err.value.status == 429 and err.value.headers == {"retry-after": "5"}
+
+
+def test_a_refusal_at_capacity_carries_the_queue_services_own_time_to_retry():
+    async def go():
+        call = ScriptedCall([], grpc.StatusCode.RESOURCE_EXHAUSTED, (("retry-after", "7"),))
+        await Generation(call, (), retry_after_s=5).start()
+
+    with pytest.raises(OpenAIError) as err:
+        run(go())
+    assert err.value.status == 429 and err.value.headers == {"retry-after": "7"}
+
+
+def test_a_downgraded_request_names_both_tiers_and_a_long_wait_keeps_the_stream_alive():
+    downgraded = event(queued=serving_pb2.Queued(tier="standard", requested_tier="critical"))
+    waiting = event(still_waiting=serving_pb2.StillWaiting(waited_ms=10_000))
+
+    async def go():
+        generation = Generation(
+            ScriptedCall([downgraded, waiting, waiting, *TOKENS, DONE]), (), retry_after_s=5
+        )
+        await generation.start()  # a heartbeat starts the response: nothing to refuse it now
+        return generation, [p async for p in generation.pieces()]
+
+    generation, pieces = run(go())
+    assert (generation.tier, generation.requested_tier) == ("standard", "critical")
+    assert pieces == [KEEP_ALIVE, KEEP_ALIVE, "Hel", "lo, ", "world"]
+    assert KEEP_ALIVE == ""  # joined into the text, it adds nothing

@@ -25,19 +25,25 @@ _sym_db = _symbol_database.Default()
 from tierflow.v1 import serving_pb2 as tierflow_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tierflow/v1/queue.proto\x12\x0btierflow.v1\x1a\x19tierflow/v1/serving.proto\"\xf6\x01\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x13\n\x0bstop_at_eos\x18\x06 \x01(\x08\x12\x17\n\x0f\x61rrival_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x03\x12\x10\n\x08reply_to\x18\t \x01(\t\x12\x0e\n\x06key_id\x18\n \x01(\t\"\x80\x01\n\x0bReplyRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1a.tierflow.v1.GenerateEventH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.tierflow.v1.ReplyErrorH\x00\x42\x06\n\x04\x62ody\"+\n\nReplyError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd9\x02\n\x0f\x46inishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61rrival_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x07 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0e\n\x06tbt_ms\x18\t \x01(\x01\x12\x13\n\x0bpreemptions\x18\n \x01(\r\x12\x0e\n\x06status\x18\x0b \x01(\t\x12\x12\n\ndeployment\x18\x0c \x01(\t\x12\x0e\n\x06policy\x18\r \x01(\t\x12\x0e\n\x06slo_ms\x18\x0e \x01(\x01\x12\x11\n\tworker_id\x18\x0f \x01(\t\x12\x12\n\ntbt_p99_ms\x18\x10 \x01(\x01\x12\x12\n\ntbt_slo_ms\x18\x11 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tierflow/v1/queue.proto\x12\x0btierflow.v1\x1a\x19tierflow/v1/serving.proto\"\x8e\x02\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x13\n\x0bstop_at_eos\x18\x06 \x01(\x08\x12\x17\n\x0f\x61rrival_unix_ms\x18\x07 \x01(\x03\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x08 \x01(\x03\x12\x10\n\x08reply_to\x18\t \x01(\t\x12\x0e\n\x06key_id\x18\n \x01(\t\x12\x16\n\x0erequested_tier\x18\x0b \x01(\t\"\x80\x01\n\x0bReplyRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1a.tierflow.v1.GenerateEventH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.tierflow.v1.ReplyErrorH\x00\x42\x06\n\x04\x62ody\"+\n\nReplyError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xf1\x02\n\x0f\x46inishedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0e\n\x06key_id\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61rrival_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x07 \x01(\x03\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0e\n\x06tbt_ms\x18\t \x01(\x01\x12\x13\n\x0bpreemptions\x18\n \x01(\r\x12\x0e\n\x06status\x18\x0b \x01(\t\x12\x12\n\ndeployment\x18\x0c \x01(\t\x12\x0e\n\x06policy\x18\r \x01(\t\x12\x0e\n\x06slo_ms\x18\x0e \x01(\x01\x12\x11\n\tworker_id\x18\x0f \x01(\t\x12\x12\n\ntbt_p99_ms\x18\x10 \x01(\x01\x12\x12\n\ntbt_slo_ms\x18\x11 \x01(\x01\x12\x16\n\x0erequested_tier\x18\x12 \x01(\t\"\xcd\x02\n\x0cTierCapacity\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x15\n\ras_of_unix_ms\x18\x03 \x01(\x03\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x13\n\x0b\x63ommitted_s\x18\x05 \x01(\x01\x12\x10\n\x08switch_s\x18\x06 \x01(\x01\x12\x0e\n\x06margin\x18\x07 \x01(\x01\x12\x14\n\x0c\x63oefficients\x18\x08 \x03(\x01\x12\x12\n\ncalibrated\x18\t \x01(\x08\x12T\n\x17\x63ounted_through_unix_ms\x18\n \x03(\x0b\x32\x33.tierflow.v1.TierCapacity.CountedThroughUnixMsEntry\x1a;\n\x19\x43ountedThroughUnixMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierflow.v1.queue_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TIERCAPACITY_COUNTEDTHROUGHUNIXMSENTRY']._loaded_options = None
+  _globals['_TIERCAPACITY_COUNTEDTHROUGHUNIXMSENTRY']._serialized_options = b'8\001'
   _globals['_QUEUEDREQUEST']._serialized_start=68
-  _globals['_QUEUEDREQUEST']._serialized_end=314
-  _globals['_REPLYRECORD']._serialized_start=317
-  _globals['_REPLYRECORD']._serialized_end=445
-  _globals['_REPLYERROR']._serialized_start=447
-  _globals['_REPLYERROR']._serialized_end=490
-  _globals['_FINISHEDREQUEST']._serialized_start=493
-  _globals['_FINISHEDREQUEST']._serialized_end=838
+  _globals['_QUEUEDREQUEST']._serialized_end=338
+  _globals['_REPLYRECORD']._serialized_start=341
+  _globals['_REPLYRECORD']._serialized_end=469
+  _globals['_REPLYERROR']._serialized_start=471
+  _globals['_REPLYERROR']._serialized_end=514
+  _globals['_FINISHEDREQUEST']._serialized_start=517
+  _globals['_FINISHEDREQUEST']._serialized_end=886
+  _globals['_TIERCAPACITY']._serialized_start=889
+  _globals['_TIERCAPACITY']._serialized_end=1222
+  _globals['_TIERCAPACITY_COUNTEDTHROUGHUNIXMSENTRY']._serialized_start=1163
+  _globals['_TIERCAPACITY_COUNTEDTHROUGHUNIXMSENTRY']._serialized_end=1222
 # @@protoc_insertion_point(module_scope)

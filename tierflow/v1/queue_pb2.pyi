@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id")
+    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id", "requested_tier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class QueuedRequest(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -29,7 +30,8 @@ class QueuedRequest(_message.Message):
     deadline_unix_ms: int
     reply_to: str
     key_id: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ...) -> None: ...
+    requested_tier: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ..., requested_tier: _Optional[str] = ...) -> None: ...
 
 class ReplyRecord(_message.Message):
     __slots__ = ("request_id", "event", "error")
@@ -50,7 +52,7 @@ class ReplyError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class FinishedRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "key_id", "prompt_tokens", "output_tokens", "arrival_unix_ms", "finished_unix_ms", "ttft_ms", "tbt_ms", "preemptions", "status", "deployment", "policy", "slo_ms", "worker_id", "tbt_p99_ms", "tbt_slo_ms")
+    __slots__ = ("request_id", "tier", "key_id", "prompt_tokens", "output_tokens", "arrival_unix_ms", "finished_unix_ms", "ttft_ms", "tbt_ms", "preemptions", "status", "deployment", "policy", "slo_ms", "worker_id", "tbt_p99_ms", "tbt_slo_ms", "requested_tier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class FinishedRequest(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TBT_P99_MS_FIELD_NUMBER: _ClassVar[int]
     TBT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     key_id: str
@@ -85,4 +88,36 @@ class FinishedRequest(_message.Message):
     worker_id: str
     tbt_p99_ms: float
     tbt_slo_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., tbt_p99_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ...) -> None: ...
+    requested_tier: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., tbt_p99_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., requested_tier: _Optional[str] = ...) -> None: ...
+
+class TierCapacity(_message.Message):
+    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms")
+    class CountedThroughUnixMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_THROUGH_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    instance_id: str
+    as_of_unix_ms: int
+    workers: int
+    committed_s: float
+    switch_s: float
+    margin: float
+    coefficients: _containers.RepeatedScalarFieldContainer[float]
+    calibrated: bool
+    counted_through_unix_ms: _containers.ScalarMap[str, int]
+    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -26,7 +26,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.rpc import code_pb2 as google_dot_rpc_dot_code__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tierflow/v1/serving.proto\x12\x0btierflow.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x15google/rpc/code.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"B\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xde\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.tierflow.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x06 \x01(\rB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"\xd1\x02\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06queued\x18\x02 \x01(\x0b\x32\x13.tierflow.v1.QueuedH\x00\x12\x30\n\x08progress\x18\x03 \x01(\x0b\x32\x1c.tierflow.v1.PrefillProgressH\x00\x12.\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x17.tierflow.v1.FirstTokenH\x00\x12#\n\x05token\x18\x05 \x01(\x0b\x32\x12.tierflow.v1.TokenH\x00\x12!\n\x04\x64one\x18\x06 \x01(\x0b\x32\x11.tierflow.v1.DoneH\x00\x12)\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x18.tierflow.v1.StreamErrorH\x00\x12\'\n\x07waiting\x18\x08 \x01(\x0b\x32\x14.tierflow.v1.WaitingH\x00\x42\x07\n\x05\x65vent\"S\n\x06Queued\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\ndeployment\x18\x04 \x01(\t\"4\n\x07Waiting\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11unavailable_in_ms\x18\x02 \x01(\r\"R\n\x0fPrefillProgress\x12\x13\n\x0btokens_done\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x13\n\x0bpreemptions\x18\x03 \x01(\r\"=\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\"\'\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x82\x01\n\x07Timings\x12\x15\n\rqueue_wait_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x14\n\x0csuspended_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x06 \x01(\r\"u\n\x04\x44one\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.tierflow.v1.Usage\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.tierflow.v1.Timings\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\">\n\x0bStreamError\x12\x1e\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x10.google.rpc.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xc4\x02\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12/\n\x05state\x18\x03 \x01(\x0e\x32 .tierflow.v1.RequestStatus.State\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.tierflow.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.tierflow.v1.Timings\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"y\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUSPENDED\x10\x03\x12\x08\n\x04\x44ONE\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x12\r\n\tCANCELLED\x10\x06\x12\x0c\n\x08REJECTED\x10\x07\x32\xd8\x01\n\x08Tierflow\x12_\n\x08Generate\x12\x1c.tierflow.v1.GenerateRequest\x1a\x1a.tierflow.v1.GenerateEvent\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*0\x01\x12k\n\nGetRequest\x12\x1e.tierflow.v1.GetRequestRequest\x1a\x1a.tierflow.v1.RequestStatus\"!\x82\xd3\xe4\x93\x02\x1b\x12\x19/v1/requests/{request_id}b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tierflow/v1/serving.proto\x12\x0btierflow.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x15google/rpc/code.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"B\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xde\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.tierflow.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tierflow.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ntimeout_ms\x18\x06 \x01(\rB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"\x85\x03\n\rGenerateEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06queued\x18\x02 \x01(\x0b\x32\x13.tierflow.v1.QueuedH\x00\x12\x30\n\x08progress\x18\x03 \x01(\x0b\x32\x1c.tierflow.v1.PrefillProgressH\x00\x12.\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x17.tierflow.v1.FirstTokenH\x00\x12#\n\x05token\x18\x05 \x01(\x0b\x32\x12.tierflow.v1.TokenH\x00\x12!\n\x04\x64one\x18\x06 \x01(\x0b\x32\x11.tierflow.v1.DoneH\x00\x12)\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x18.tierflow.v1.StreamErrorH\x00\x12\'\n\x07waiting\x18\x08 \x01(\x0b\x32\x14.tierflow.v1.WaitingH\x00\x12\x32\n\rstill_waiting\x18\t \x01(\x0b\x32\x19.tierflow.v1.StillWaitingH\x00\x42\x07\n\x05\x65vent\"!\n\x0cStillWaiting\x12\x11\n\twaited_ms\x18\x01 \x01(\r\"k\n\x06Queued\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x12\n\ndeployment\x18\x04 \x01(\t\x12\x16\n\x0erequested_tier\x18\x05 \x01(\t\"4\n\x07Waiting\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11unavailable_in_ms\x18\x02 \x01(\r\"R\n\x0fPrefillProgress\x12\x13\n\x0btokens_done\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x13\n\x0bpreemptions\x18\x03 \x01(\r\"=\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\"\'\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x82\x01\n\x07Timings\x12\x15\n\rqueue_wait_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x14\n\x0csuspended_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x06 \x01(\r\"u\n\x04\x44one\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.tierflow.v1.Usage\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.tierflow.v1.Timings\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\">\n\x0bStreamError\x12\x1e\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x10.google.rpc.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xdc\x02\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12/\n\x05state\x18\x03 \x01(\x0e\x32 .tierflow.v1.RequestStatus.State\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.tierflow.v1.Usage\x12%\n\x07timings\x18\x05 \x01(\x0b\x32\x14.tierflow.v1.Timings\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x16\n\x0erequested_tier\x18\x08 \x01(\t\"y\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\x0b\n\x07RUNNING\x10\x02\x12\r\n\tSUSPENDED\x10\x03\x12\x08\n\x04\x44ONE\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x12\r\n\tCANCELLED\x10\x06\x12\x0c\n\x08REJECTED\x10\x07\x32\xd8\x01\n\x08Tierflow\x12_\n\x08Generate\x12\x1c.tierflow.v1.GenerateRequest\x1a\x1a.tierflow.v1.GenerateEvent\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*0\x01\x12k\n\nGetRequest\x12\x1e.tierflow.v1.GetRequestRequest\x1a\x1a.tierflow.v1.RequestStatus\"!\x82\xd3\xe4\x93\x02\x1b\x12\x19/v1/requests/{request_id}b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=189
   _globals['_GENERATEREQUEST']._serialized_end=411
   _globals['_GENERATEEVENT']._serialized_start=414
-  _globals['_GENERATEEVENT']._serialized_end=751
-  _globals['_QUEUED']._serialized_start=753
-  _globals['_QUEUED']._serialized_end=836
-  _globals['_WAITING']._serialized_start=838
-  _globals['_WAITING']._serialized_end=890
-  _globals['_PREFILLPROGRESS']._serialized_start=892
-  _globals['_PREFILLPROGRESS']._serialized_end=974
-  _globals['_FIRSTTOKEN']._serialized_start=976
-  _globals['_FIRSTTOKEN']._serialized_end=1037
-  _globals['_TOKEN']._serialized_start=1039
-  _globals['_TOKEN']._serialized_end=1078
-  _globals['_USAGE']._serialized_start=1080
-  _globals['_USAGE']._serialized_end=1137
-  _globals['_TIMINGS']._serialized_start=1140
-  _globals['_TIMINGS']._serialized_end=1270
-  _globals['_DONE']._serialized_start=1272
-  _globals['_DONE']._serialized_end=1389
-  _globals['_STREAMERROR']._serialized_start=1391
-  _globals['_STREAMERROR']._serialized_end=1453
-  _globals['_GETREQUESTREQUEST']._serialized_start=1455
-  _globals['_GETREQUESTREQUEST']._serialized_end=1494
-  _globals['_REQUESTSTATUS']._serialized_start=1497
-  _globals['_REQUESTSTATUS']._serialized_end=1821
-  _globals['_REQUESTSTATUS_STATE']._serialized_start=1700
-  _globals['_REQUESTSTATUS_STATE']._serialized_end=1821
-  _globals['_TIERFLOW']._serialized_start=1824
-  _globals['_TIERFLOW']._serialized_end=2040
+  _globals['_GENERATEEVENT']._serialized_end=803
+  _globals['_STILLWAITING']._serialized_start=805
+  _globals['_STILLWAITING']._serialized_end=838
+  _globals['_QUEUED']._serialized_start=840
+  _globals['_QUEUED']._serialized_end=947
+  _globals['_WAITING']._serialized_start=949
+  _globals['_WAITING']._serialized_end=1001
+  _globals['_PREFILLPROGRESS']._serialized_start=1003
+  _globals['_PREFILLPROGRESS']._serialized_end=1085
+  _globals['_FIRSTTOKEN']._serialized_start=1087
+  _globals['_FIRSTTOKEN']._serialized_end=1148
+  _globals['_TOKEN']._serialized_start=1150
+  _globals['_TOKEN']._serialized_end=1189
+  _globals['_USAGE']._serialized_start=1191
+  _globals['_USAGE']._serialized_end=1248
+  _globals['_TIMINGS']._serialized_start=1251
+  _globals['_TIMINGS']._serialized_end=1381
+  _globals['_DONE']._serialized_start=1383
+  _globals['_DONE']._serialized_end=1500
+  _globals['_STREAMERROR']._serialized_start=1502
+  _globals['_STREAMERROR']._serialized_end=1564
+  _globals['_GETREQUESTREQUEST']._serialized_start=1566
+  _globals['_GETREQUESTREQUEST']._serialized_end=1605
+  _globals['_REQUESTSTATUS']._serialized_start=1608
+  _globals['_REQUESTSTATUS']._serialized_end=1956
+  _globals['_REQUESTSTATUS_STATE']._serialized_start=1835
+  _globals['_REQUESTSTATUS_STATE']._serialized_end=1956
+  _globals['_TIERFLOW']._serialized_start=1959
+  _globals['_TIERFLOW']._serialized_end=2175
 # @@protoc_insertion_point(module_scope)

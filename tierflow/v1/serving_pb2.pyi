@@ -42,7 +42,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("request_id", "queued", "progress", "first_token", "token", "done", "error", "waiting")
+    __slots__ = ("request_id", "queued", "progress", "first_token", "token", "done", "error", "waiting", "still_waiting")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class GenerateEvent(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    STILL_WAITING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     queued: Queued
     progress: PrefillProgress
@@ -59,19 +60,28 @@ class GenerateEvent(_message.Message):
     done: Done
     error: StreamError
     waiting: Waiting
-    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
+    still_waiting: StillWaiting
+    def __init__(self, request_id: _Optional[str] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., still_waiting: _Optional[_Union[StillWaiting, _Mapping]] = ...) -> None: ...
+
+class StillWaiting(_message.Message):
+    __slots__ = ("waited_ms",)
+    WAITED_MS_FIELD_NUMBER: _ClassVar[int]
+    waited_ms: int
+    def __init__(self, waited_ms: _Optional[int] = ...) -> None: ...
 
 class Queued(_message.Message):
-    __slots__ = ("tier", "position", "prompt_tokens", "deployment")
+    __slots__ = ("tier", "position", "prompt_tokens", "deployment", "requested_tier")
     TIER_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
     tier: str
     position: int
     prompt_tokens: int
     deployment: str
-    def __init__(self, tier: _Optional[str] = ..., position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., deployment: _Optional[str] = ...) -> None: ...
+    requested_tier: str
+    def __init__(self, tier: _Optional[str] = ..., position: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., deployment: _Optional[str] = ..., requested_tier: _Optional[str] = ...) -> None: ...
 
 class Waiting(_message.Message):
     __slots__ = ("reason", "unavailable_in_ms")
@@ -160,7 +170,7 @@ class GetRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
-    __slots__ = ("request_id", "tier", "state", "usage", "timings", "text", "error")
+    __slots__ = ("request_id", "tier", "state", "usage", "timings", "text", "error", "requested_tier")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[RequestStatus.State]
@@ -186,6 +196,7 @@ class RequestStatus(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     state: RequestStatus.State
@@ -193,4 +204,5 @@ class RequestStatus(_message.Message):
     timings: Timings
     text: str
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., state: _Optional[_Union[RequestStatus.State, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    requested_tier: str
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., state: _Optional[_Union[RequestStatus.State, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., text: _Optional[str] = ..., error: _Optional[str] = ..., requested_tier: _Optional[str] = ...) -> None: ...

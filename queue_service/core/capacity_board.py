@@ -1,0 +1,181 @@
+"""The capacity view that admission reads, and the tier a request is served at.
+
+How the view is shared between queue-service instances. The instance that owns a tier's Kafka
+partitions schedules that tier's requests, so only it knows their committed work
+(``Scheduler.tier_load``); admission runs on whichever instance the client reached. So every
+instance that owns partitions of a tier with an ``overflow`` rule publishes its load of that
+tier, with its instance id, its wall-clock time and, per admitting instance, the latest
+admission stamp it has counted, to the capacity topic (``<prefix>capacity``) every
+``publish_every_s``; every instance reads that topic into its ``CapacityBoard``. A load older
+than ``stale_after_s`` is gone: its owner stopped or lost the partitions.
+
+Between its admission and its owner counting it, a request is in no load, and a burst admitted
+within one publish period would all see the same committed work. So the board also keeps a
+ledger of what its own instance admitted (admission stamp, prompt length): an entry adds to the
+committed work until a load counts it (its owner's ``counted_through`` for this instance
+reaches the entry's stamp) or ``ledger_ttl_s`` passes. With one partition per tier (the
+default) that is exact, except that two admissions whose Kafka writes overtake each other can
+leave the ledger one write early; with several owners an entry leaves once any owner counted
+through its stamp.
+
+Nothing here does I/O: the service feeds ``update`` from the capacity topic and calls
+``place`` and ``admitted`` at admission, all on its event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from queue_service.scheduler.capacity import TierLoad, Verdict, judge
+from tierflow.tiers import TierTable
+from tierflow.v1 import queue_pb2
+
+
+@dataclass(frozen=True)
+class PublishedLoad:
+    """A tier's load as one owner published it."""
+
+    instance_id: str
+    as_of_s: float  # the owner's wall clock when it took the load
+    load: TierLoad
+    counted_through_ms: Mapping[str, int]  # admitting instance -> latest admission stamp counted
+
+
+def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
+    """The capacity topic's record of a load."""
+    load = published.load
+    return queue_pb2.TierCapacity(
+        tier=load.tier,
+        instance_id=published.instance_id,
+        as_of_unix_ms=int(published.as_of_s * 1000),
+        workers=load.workers,
+        committed_s=load.committed_s,
+        switch_s=load.switch_s,
+        margin=load.margin,
+        coefficients=load.coefficients,
+        calibrated=load.calibrated,
+        counted_through_unix_ms=published.counted_through_ms,
+    )
+
+
+def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
+    """A load read back from the capacity topic; ValueError when it is malformed."""
+    if not record.tier or not record.instance_id or len(record.coefficients) != 3:
+        raise ValueError("a tier load needs a tier, an instance id and 3 coefficients")
+    a, b, c = record.coefficients
+    load = TierLoad(
+        tier=record.tier,
+        workers=record.workers,
+        committed_s=record.committed_s,
+        switch_s=record.switch_s,
+        margin=record.margin,
+        coefficients=(a, b, c),
+        calibrated=record.calibrated,
+    )
+    return PublishedLoad(
+        record.instance_id,
+        record.as_of_unix_ms / 1000,
+        load,
+        dict(record.counted_through_unix_ms),
+    )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where admission puts a request: ``served_tier`` (None: rejected)."""
+
+    requested_tier: str
+    served_tier: str | None
+    verdicts: tuple[Verdict, ...]  # the rules applied, from the requested tier down
+
+    @property
+    def downgraded(self) -> bool:
+        return self.served_tier is not None and self.served_tier != self.requested_tier
+
+    @property
+    def refusal(self) -> Verdict:
+        """The verdict that refused it (only when rejected)."""
+        return self.verdicts[-1]
+
+
+@dataclass
+class _Admission:
+    tier: str
+    stamp_ms: int
+    prompt_tokens: int
+
+
+class CapacityBoard:
+    def __init__(
+        self,
+        instance_id: str,
+        tiers: TierTable,
+        *,
+        stale_after_s: float = 3.0,
+        ledger_ttl_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.instance_id = instance_id
+        self.tiers = tiers
+        self.stale_after_s = stale_after_s
+        self.ledger_ttl_s = ledger_ttl_s
+        self.clock = clock
+        self._loads: dict[tuple[str, str], PublishedLoad] = {}  # (tier, owner) -> latest
+        self._ledger: deque[_Admission] = deque()  # in admission order
+
+    def update(self, published: PublishedLoad) -> None:
+        """A load read from the capacity topic (a newer one of the same owner replaces it).
+        A tier this table does not know (another deployment's) is ignored."""
+        if published.load.tier not in self.tiers:
+            return
+        key = (published.load.tier, published.instance_id)
+        current = self._loads.get(key)
+        if current is None or published.as_of_s >= current.as_of_s:
+            self._loads[key] = published
+
+    def loads(self, tier: str) -> list[PublishedLoad]:
+        """The tier's fresh loads, one per owner."""
+        now = self.clock()
+        return [
+            p
+            for (t, _), p in self._loads.items()
+            if t == tier and now - p.as_of_s <= self.stale_after_s
+        ]
+
+    def pending(self, tier: str) -> list[int]:
+        """Prompt lengths of this instance's admissions of ``tier`` that no load counts yet."""
+        self._forget_old()
+        counted = max(
+            (p.counted_through_ms.get(self.instance_id, 0) for p in self.loads(tier)), default=0
+        )
+        return [a.prompt_tokens for a in self._ledger if a.tier == tier and a.stamp_ms > counted]
+
+    def admitted(self, tier: str, stamp_ms: int, prompt_tokens: int) -> None:
+        """This instance queued a request of ``tier`` stamped ``stamp_ms`` (its arrival)."""
+        if self.tiers[tier].overflow is not None:
+            self._ledger.append(_Admission(tier, stamp_ms, prompt_tokens))
+
+    def place(self, tier: str, prompt_tokens: int) -> Placement:
+        """The tier a new request of ``tier`` is served at: its own while the rule admits it,
+        else the next tier down (``downgrade``, whose own rule applies in turn) or none
+        (``reject``)."""
+        verdicts: list[Verdict] = []
+        policy = self.tiers[tier]
+        while True:
+            loads = [p.load for p in self.loads(policy.name)]
+            verdict = judge(policy, loads, prompt_tokens, self.pending(policy.name))
+            if verdict is None or verdict.admit:
+                return Placement(tier, policy.name, tuple(verdicts))
+            verdicts.append(verdict)
+            below = self.tiers.below(policy.name)
+            if policy.overflow == "reject" or below is None:
+                return Placement(tier, None, tuple(verdicts))
+            policy = below
+
+    def _forget_old(self) -> None:
+        oldest_ms = (self.clock() - self.ledger_ttl_s) * 1000
+        while self._ledger and self._ledger[0].stamp_ms < oldest_ms:
+            self._ledger.popleft()

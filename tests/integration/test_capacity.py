@@ -1,0 +1,219 @@
+"""Admission of a tier against its capacity, end to end on a real Kafka (and, for what a client
+sees, through a real Envoy, the gateway, the OpenAI API and the official ``openai`` SDK).
+
+The queue services load a prefill predictor fitted to 1 ms a prompt token, so that what
+admission predicts does not depend on this machine's speed: a 200-token prompt is 0.2 s of
+work, 400 tokens exceed the 0.3 s critical SLO on their own, 1200 exceed standard's 1 s. The
+real engine (bench-llama) runs the requests; only their predicted cost is fixed.
+
+- Two queue-service instances share the critical tier's capacity: committed work that one
+  instance schedules downgrades a request admitted on the other (``capacity_board``).
+- The downgrade is visible on gRPC (Queued, GetRequest), JSON over HTTP/1.1, the OpenAI SDK
+  (``service_tier``, ``x-tierflow-requested-tier``) and the request log; a tier whose rule is
+  ``reject`` answers RESOURCE_EXHAUSTED with ``retry-after`` (HTTP 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import grpc
+import openai
+import pytest
+
+from gateway.demo_keys import DEMO_KEYS
+from ops.topics import read_topic
+from queue_service.scheduler import PrefillSample, PrefillTimePredictor
+from tests.integration.json_http import post_generate
+from tests.integration.processes import start_queue_service, start_worker
+from tests.integration.test_edge import demo_scoped, edge_stack, ids
+from tierflow.client import TierflowClient
+from tierflow.kafka_settings import KafkaSettings
+from tierflow.tiers import REQUESTED_TIER_HEADER
+
+MODEL = "bench-llama"
+CAPACITY_TIERS = """
+[tiers.critical]
+rank = 0
+ttft_slo_s = 0.3
+overflow = "downgrade"
+[tiers.standard]
+rank = 1
+ttft_slo_s = 1.0
+overflow = "reject"
+[tiers.batch]
+rank = 2
+ttft_slo_s = 600.0
+sheddable = true
+"""
+
+
+def predictor_file(tmp) -> str:
+    """A calibrated predictor of exactly 1 ms a prompt token (60 samples: the few prefills the
+    test runs barely move its online refit)."""
+    samples = [PrefillSample(n, 0, n * 1e-3) for n in range(50, 3050, 50)]
+    path = tmp / "predictor.json"
+    PrefillTimePredictor(1e-3, 0.0, 0.0).fit(samples).save(path)
+    return str(path)
+
+
+def queued_of(stream) -> object:
+    """The Queued event that opens a stream."""
+    first = next(stream)
+    assert first.WhichOneof("event") == "queued", first
+    return first.queued
+
+
+def test_two_instances_share_the_critical_tiers_committed_work(tmp_path, kafka):
+    prefix = f"t{uuid.uuid4().hex[:12]}."
+    settings = KafkaSettings(
+        bootstrap=kafka.bootstrap, topic_prefix=prefix, group_id=f"{prefix}queue"
+    )
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(CAPACITY_TIERS)
+    extra = ["--predictor", predictor_file(tmp_path)]
+    started = []
+    try:
+        targets = []
+        for name in ("qs-a", "qs-b"):
+            qs, target = start_queue_service(
+                tmp_path, settings, model=MODEL, tiers=tiers, instance_id=name, extra=extra
+            )
+            started.append(qs)
+            targets.append(target)
+        # A worker of one KV slot on each: whichever instance owns the critical partition
+        # runs the critical requests, one at a time.
+        for i, target in enumerate(targets):
+            started.append(
+                start_worker(tmp_path, target, f"w{i}", model=MODEL, extra=["--kv-slots", "1"])
+            )
+        a, b = (TierflowClient(t, tier="critical") for t in targets)
+        with a, b:
+            # Until the owner's load reached instance b, b cannot know the tier's capacity.
+            _wait_until_downgraded(b, ids(400, seed=0))
+            # r0 decodes on the owner's only KV slot; r1 (150 tokens) then waits behind it:
+            # 0.15 s of committed critical work, on whichever instance schedules it.
+            r0 = a.generate(ids(10, seed=1), max_new_tokens=1000, request_id="r0")
+            assert queued_of(r0).tier == "critical"
+            assert _next_kind(r0) in ("progress", "first_token")
+            r1 = b.generate(ids(150, seed=2), max_new_tokens=1, request_id="r1")
+            assert queued_of(r1).tier == "critical"
+            time.sleep(2.0)  # ten publish periods: every instance has the owner's new load
+            # 0.15 s committed + 0.2 s own (+ margin) > 0.3 s: downgraded, on either instance.
+            for client, request_id in ((a, "r2"), (b, "r3")):
+                stream = client.generate(ids(200, seed=3), max_new_tokens=1, request_id=request_id)
+                queued = queued_of(stream)
+                assert (queued.tier, queued.requested_tier) == ("standard", "critical")
+                stream.close()  # cancels it
+            # A short prompt still fits beside the committed work: admitted at critical.
+            short = a.generate(ids(10, seed=4), max_new_tokens=1, request_id="r4")
+            queued = queued_of(short)
+            assert (queued.tier, queued.requested_tier) == ("critical", "")
+            for stream in (r0, r1, short):
+                stream.close()
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+def _next_kind(stream) -> str:
+    return next(stream).WhichOneof("event")
+
+
+def _wait_until_downgraded(client: TierflowClient, prompt, timeout_s: float = 60.0) -> None:
+    """Sends a prompt too long for the critical SLO until admission downgrades it: the sign
+    that this instance has the owner's load (before it, the rule cannot apply)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = client.complete(prompt, max_new_tokens=1, timeout=120)
+        if (done.tier, done.requested_tier) == ("standard", "critical"):
+            return
+        assert time.monotonic() < deadline, "no tier load reached the instance"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def capacity_edge(tmp_path_factory, kafka):
+    tmp = tmp_path_factory.mktemp("capacity_edge")
+    with edge_stack(
+        tmp,
+        kafka,
+        model=MODEL,
+        chunk_size=512,
+        openai=True,
+        tiers_toml=CAPACITY_TIERS,
+        queue_service_args=["--predictor", predictor_file(tmp)],
+    ) as stack:
+        with stack.client("critical") as client:
+            _wait_until_downgraded(client, ids(400, seed=10))
+        yield stack
+
+
+def test_a_downgrade_is_visible_on_grpc_json_and_the_request_log(capacity_edge):
+    with capacity_edge.client("critical") as client:
+        done = client.complete(ids(400, seed=11), max_new_tokens=2, request_id="down-grpc")
+        assert (done.tier, done.requested_tier) == ("standard", "critical")
+        status = client.status("down-grpc")
+        assert (status.tier, status.requested_tier) == ("standard", "critical")
+    body = {"tokenIds": {"ids": ids(400, seed=12)}, "requestId": "down-json", "maxNewTokens": 2}
+    conn, reply = post_generate(capacity_edge.port, DEMO_KEYS["critical"], body, timeout=120)
+    try:
+        assert reply.status == 200
+        first = json.loads(reply.readline())
+        assert first["queued"]["tier"] == "standard"
+        assert first["queued"]["requested_tier"] == "critical"
+        events = [json.loads(line) for line in reply if line.strip()]
+        assert "done" in events[-1]
+    finally:
+        conn.close()
+    records = {
+        r["value"]["request_id"]: r["value"]
+        for r in read_topic(capacity_edge.kafka, capacity_edge.kafka.request_log_topic)
+    }
+    for request_id in ("down-grpc", "down-json"):
+        record = records[demo_scoped("critical", request_id)]
+        assert (record["tier"], record["requested_tier"]) == ("standard", "critical")
+
+
+def test_the_openai_sdk_sees_the_tier_that_served_it(capacity_edge):
+    client = openai.OpenAI(
+        base_url=f"http://{capacity_edge.target}/v1",
+        api_key=DEMO_KEYS["critical"],
+        max_retries=0,
+        timeout=300,
+    )
+    long_question = "Tell me about the weather. " * 80  # about 400 prompt tokens
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": long_question}], max_tokens=2
+    )
+    assert raw.headers[REQUESTED_TIER_HEADER] == "critical"
+    assert raw.headers["x-tierflow-tier"] == "standard"
+    assert raw.parse().service_tier == "default"  # OpenAI's name of standard
+    short = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert short.service_tier == "priority"
+
+
+def test_a_tier_whose_rule_is_reject_refuses_with_a_time_to_retry(capacity_edge):
+    too_long = ids(1200, seed=13)  # 1.2 s of prefill: over standard's 1 s SLO on its own
+    with capacity_edge.client("standard") as client, pytest.raises(grpc.RpcError) as refused:
+        client.complete(too_long, max_new_tokens=1, request_id="reject-grpc")
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "standard tier is at capacity" in refused.value.details()
+    trailers = dict(refused.value.trailing_metadata())
+    assert int(trailers["retry-after"]) >= 1
+    # A critical request of the same length is downgraded to standard, and refused there.
+    body = {"tokenIds": {"ids": too_long}, "requestId": "reject-json"}
+    conn, reply = post_generate(capacity_edge.port, DEMO_KEYS["critical"], body, timeout=120)
+    try:
+        text = reply.read().decode()
+        assert reply.status == 429, (reply.status, text)
+        assert int(reply.getheader("retry-after")) >= 1
+    finally:
+        conn.close()
+    with capacity_edge.client("critical") as client, pytest.raises(grpc.RpcError) as unknown:
+        client.status("reject-json")
+    assert unknown.value.code() is grpc.StatusCode.NOT_FOUND  # never queued

@@ -1,0 +1,234 @@
+"""Admission of a tier against its capacity: the rule (``scheduler.capacity``), the view shared
+between instances (``core.capacity_board``) and the scheduler's committed work, on fake clocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from queue_service.core.capacity_board import (
+    CapacityBoard,
+    PublishedLoad,
+    load_record,
+    published_load,
+)
+from queue_service.scheduler import (
+    Assign,
+    PrefillFinished,
+    PrefillTimePredictor,
+    RequestArrived,
+    Scheduler,
+    WorkerJoined,
+)
+from queue_service.scheduler.capacity import TierLoad, judge, predict_prefill_s
+from tierflow.tiers import TierPolicy, TierTable, loads_tiers
+
+# 1 ms a prompt token, nothing else: a 100-token prompt prefills in 0.1 s.
+PER_TOKEN = (1e-3, 0.0, 0.0)
+CRITICAL = TierPolicy("critical", 0, ttft_slo_s=0.3, overflow="downgrade")
+TIERS = TierTable(
+    [
+        CRITICAL,
+        TierPolicy("standard", 1, ttft_slo_s=3.0),
+        TierPolicy("batch", 2, ttft_slo_s=120.0, sheddable=True),
+    ]
+)
+
+
+def load(committed_s: float, *, workers: int = 1, margin: float = 0.0, tier: str = "critical",
+         switch_s: float = 0.0, calibrated: bool = True) -> TierLoad:  # fmt: skip
+    return TierLoad(tier, workers, committed_s, switch_s, margin, PER_TOKEN, calibrated)
+
+
+# ----------------------------------------------------------------------------- the rule
+
+
+def test_a_request_is_admitted_exactly_while_it_still_meets_the_slo_behind_the_committed_work():
+    # 0.15 s committed + 0.1 s own = 0.25 s <= 0.3 s; 0.25 + 0.1 = 0.35 s > 0.3 s.
+    assert judge(CRITICAL, [load(0.15)], 100).admit
+    refused = judge(CRITICAL, [load(0.25)], 100)
+    assert not refused.admit
+    assert refused.predicted_ttft_s == pytest.approx(0.35)
+    assert refused.retry_after_s == 1
+    assert "0.35 s" in refused.reason() and "0.3 s" in refused.reason()
+
+
+def test_workers_share_the_committed_work_and_the_margin_and_switch_inflate_it():
+    assert judge(CRITICAL, [load(0.38, workers=2)], 100).admit  # 0.19 + 0.1
+    assert not judge(CRITICAL, [load(0.38, workers=1)], 100).admit
+    # (1 + 0.4) * (0.1 + 0.1) = 0.28: still within; a switch of 0.05 s pushes it over.
+    assert judge(CRITICAL, [load(0.1, margin=0.4)], 100).admit
+    assert not judge(CRITICAL, [load(0.1, margin=0.4, switch_s=0.05)], 100).admit
+
+
+def test_a_prompt_whose_own_prefill_exceeds_the_slo_is_refused_on_an_idle_tier():
+    assert not judge(CRITICAL, [load(0.0)], 400).admit  # 0.4 s alone
+
+
+def test_requests_admitted_but_not_yet_counted_by_any_load_count_too():
+    assert judge(CRITICAL, [load(0.0)], 100, pending_prompts=[100]).admit
+    assert not judge(CRITICAL, [load(0.0)], 100, pending_prompts=[100, 100]).admit
+
+
+def test_the_loads_of_several_owners_add_up():
+    owners = [load(0.19), load(0.19)]  # 0.38 s on 2 workers: 0.19 + 0.1 fits
+    assert judge(CRITICAL, owners, 100).admit
+    assert not judge(CRITICAL, owners, 200).admit
+
+
+def test_no_rule_without_an_overflow_setting_a_worker_or_a_measured_predictor():
+    standard = TIERS["standard"]
+    assert judge(standard, [load(99.0, tier="standard")], 100) is None
+    assert judge(CRITICAL, [], 100) is None
+    assert judge(CRITICAL, [load(99.0, workers=0)], 100) is None
+    assert judge(CRITICAL, [load(99.0, calibrated=False)], 100) is None
+
+
+def test_the_prediction_is_the_predictors_model():
+    predictor = PrefillTimePredictor(2e-3, 1e-7, 0.01)
+    assert predict_prefill_s(predictor.coefficients, 700) == pytest.approx(predictor.predict(700))
+
+
+# ----------------------------------------------------------------------------- the board
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def board_with(clock: Clock, *loads: PublishedLoad) -> CapacityBoard:
+    board = CapacityBoard("edge-a", TIERS, stale_after_s=3.0, ledger_ttl_s=10.0, clock=clock)
+    for published in loads:
+        board.update(published)
+    return board
+
+
+def owner_load(clock: Clock, committed_s: float, counted_ms: int = 0) -> PublishedLoad:
+    return PublishedLoad("owner", clock.now, load(committed_s), {"edge-a": counted_ms})
+
+
+def test_downgrade_serves_the_request_at_the_next_tier_down():
+    clock = Clock()
+    board = board_with(clock, owner_load(clock, 0.25))
+    placement = board.place("critical", 100)
+    assert placement.served_tier == "standard" and placement.downgraded
+    assert placement.requested_tier == "critical"
+    assert board.place("critical", 40).served_tier == "critical"  # 0.25 + 0.04 fits
+
+
+def test_reject_refuses_the_request_and_a_lower_tier_with_its_own_rule_is_judged_too():
+    clock = Clock()
+    tiers = TierTable(
+        [
+            TierPolicy("critical", 0, 0.3, overflow="downgrade"),
+            TierPolicy("standard", 1, 0.5, overflow="reject"),
+            TierPolicy("batch", 2, 120.0),
+        ]
+    )
+    board = CapacityBoard("edge-a", tiers, clock=clock)
+    board.update(owner_load(clock, 0.25))
+    board.update(PublishedLoad("owner", clock.now, load(0.45, tier="standard"), {}))
+    placement = board.place("critical", 100)
+    assert placement.served_tier is None and not placement.downgraded
+    assert [v.tier for v in placement.verdicts] == ["critical", "standard"]
+    assert placement.refusal.tier == "standard"
+
+
+def test_own_admissions_count_until_a_load_counts_them():
+    clock = Clock()
+    board = board_with(clock, owner_load(clock, 0.0))
+    board.admitted("critical", 1_000_000, 100)  # stamped at the clock's now, in ms
+    board.admitted("critical", 1_000_001, 100)
+    assert board.pending("critical") == [100, 100]
+    assert board.place("critical", 100).served_tier == "standard"  # 0.2 s pending + 0.1 s
+    board.update(owner_load(clock, 0.0, counted_ms=1_000_000))  # the owner counted the first
+    assert board.pending("critical") == [100]
+    assert board.place("critical", 100).served_tier == "critical"
+
+
+def test_admissions_of_tiers_without_a_rule_are_not_kept():
+    clock = Clock()
+    board = board_with(clock)
+    board.admitted("standard", 1_000_000, 100)
+    assert board.pending("standard") == []
+
+
+def test_a_stale_load_no_longer_counts_and_old_admissions_leave_the_ledger():
+    clock = Clock()
+    board = board_with(clock, owner_load(clock, 5.0))
+    board.admitted("critical", 1_000_000, 100)
+    assert board.place("critical", 10).served_tier == "standard"
+    clock.now += 3.5  # the owner stopped publishing: no load, no rule
+    assert board.loads("critical") == []
+    assert board.place("critical", 10).served_tier == "critical"
+    clock.now += 7.0
+    assert board.pending("critical") == []
+
+
+def test_an_older_load_of_the_same_owner_does_not_replace_a_newer_one():
+    clock = Clock()
+    board = board_with(clock, owner_load(clock, 0.0))
+    board.update(PublishedLoad("owner", clock.now - 1.0, load(9.0), {}))
+    assert [p.load.committed_s for p in board.loads("critical")] == [0.0]
+
+
+def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
+    published = PublishedLoad("owner", 1234.5, load(0.7, workers=3, margin=0.2), {"edge-a": 7})
+    assert published_load(load_record(published)) == published
+    broken = load_record(published)
+    del broken.coefficients[:]
+    with pytest.raises(ValueError, match="coefficients"):
+        published_load(broken)
+
+
+# ----------------------------------------------------------------------------- the owner's side
+
+
+def test_the_scheduler_commits_the_prefill_left_of_its_live_requests_of_the_tier():
+    predictor = PrefillTimePredictor(*PER_TOKEN)
+    scheduler = Scheduler("flowprefill", TIERS, predictor)
+    scheduler.handle(WorkerJoined("w0", kv_slots=4), 0.0)
+    for i, tokens in enumerate((100, 200)):
+        scheduler.handle(RequestArrived(f"c{i}", "critical", tokens), 0.0)
+    scheduler.handle(RequestArrived("s0", "standard", 500), 0.0)
+    committed = scheduler.tier_load("critical", 0.0)
+    assert committed.workers == 1
+    assert committed.committed_s == pytest.approx(0.3)
+    assert not committed.calibrated  # the fallback coefficients were never measured
+    # c0 started at 0 and reached its first token: only c1 is left.
+    commands = scheduler.handle(PrefillFinished("c0", "w0", 100, 0.1), 0.1)
+    assert any(isinstance(c, Assign) and c.request_id == "c1" for c in commands)
+    assert scheduler.tier_load("critical", 0.1).committed_s == pytest.approx(0.2)
+
+
+# ----------------------------------------------------------------------------- the tier table
+
+
+def test_the_overflow_rule_is_read_checked_and_the_lowest_tier_cannot_downgrade():
+    text = """
+    [tiers.gold]
+    rank = 0
+    ttft_slo_s = 0.2
+    overflow = "reject"
+    [tiers.silver]
+    rank = 1
+    ttft_slo_s = 2.0
+    """
+    tiers = loads_tiers(text)
+    assert tiers["gold"].overflow == "reject" and tiers["silver"].overflow is None
+    assert tiers.below("gold") == tiers["silver"] and tiers.below("silver") is None
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        loads_tiers(text.replace('"reject"', '"drop"'))
+    with pytest.raises(ValueError, match="no tier to downgrade to"):
+        loads_tiers(text + '    overflow = "downgrade"\n')
+
+
+def test_the_shipped_table_downgrades_critical_overflow():
+    from tierflow.tiers import load_tiers
+
+    tiers = load_tiers()
+    assert tiers["critical"].overflow == "downgrade"
+    assert tiers.below("critical").name == "standard"
