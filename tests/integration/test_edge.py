@@ -298,6 +298,7 @@ def edge_stack(
     queue_service_args: list[str] | None = None,
     worker_args: list[str] | None = None,
     tiers_toml: str = TIERS,
+    keys: Path = KEYS_FILE,
 ):
     prefix = f"t{uuid.uuid4().hex[:12]}."  # topics of this stack's own
     settings = KafkaSettings(
@@ -315,7 +316,7 @@ def edge_stack(
             tmp, qs_target, "w1", model=model, chunk_size=chunk_size, extra=worker_args
         )
         started.append(worker)
-        gateway, gateway_target = start_gateway(tmp, keys=KEYS_FILE, tiers=tiers)
+        gateway, gateway_target = start_gateway(tmp, keys=keys, tiers=tiers)
         started.append(gateway)
         openai_api, openai_target = None, None
         if openai:

@@ -4,7 +4,8 @@ queue service, Kafka and a worker (tiny-llama), each a real process.
 Request ids are scoped to the API key: one key never sees, joins or cancels another key's
 request, whatever id it sends, on every path (gRPC, JSON over HTTP/1.1 and HTTP/2, the OpenAI
 API). A retry from the same key joins only when it is the same request. Keys are accepted with
-surrounding whitespace on every path alike.
+surrounding whitespace on every path alike. The stack knows two keys of the critical tier (the
+demo key and ``CRITICAL_2``), so that "scoped per key" cannot pass as "scoped per tier".
 """
 
 from __future__ import annotations
@@ -19,19 +20,28 @@ import grpc
 import pytest
 
 from gateway.demo_keys import DEMO_KEYS
+from gateway.keys import hash_key
 from tests.integration.json_http import post_generate
-from tests.integration.test_edge import edge_stack, ids, kinds
+from tests.integration.test_edge import KEYS_FILE, edge_stack, ids, kinds
 from tierflow.client import TierflowClient
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 MODEL = "tiny-llama"
 
 
+# A second customer of the critical tier (its key label: second-critical).
+CRITICAL_2 = "tf-test-critical-two-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, kafka):
-    with edge_stack(
-        tmp_path_factory.mktemp("tenants"), kafka, model=MODEL, chunk_size=64, openai=True
-    ) as stack:
+    tmp = tmp_path_factory.mktemp("tenants")
+    keys = tmp / "keys.toml"
+    keys.write_text(
+        KEYS_FILE.read_text()
+        + f'\n[keys.second-critical]\nsha256 = "{hash_key(CRITICAL_2)}"\ntier = "critical"\n'
+    )
+    with edge_stack(tmp, kafka, model=MODEL, chunk_size=64, openai=True, keys=keys) as stack:
         yield stack
 
 
@@ -115,11 +125,11 @@ def test_a_reused_id_never_hands_one_key_another_keys_result(stack):
     mine, theirs = ids(30, seed=1), ids(12, seed=2)
     first = generate(stack, CRITICAL, mine, "shared-1", max_new_tokens=4)
     assert kinds(first)[0] == "queued" and kinds(first)[-1] == "done"
-    # Another key sending the same id gets a request of its own, run for its own prompt: not
-    # the first key's completion.
-    other = generate(stack, STANDARD, theirs, "shared-1", max_new_tokens=2)
+    # Another key of the same tier sending the same id gets a request of its own, run for its
+    # own prompt: not the first key's completion.
+    other = generate(stack, CRITICAL_2, theirs, "shared-1", max_new_tokens=2)
     assert kinds(other)[0] == "queued" and kinds(other)[-1] == "done", kinds(other)
-    assert other[0].request_id == "shared-1" and other[0].queued.tier == "standard"
+    assert other[0].request_id == "shared-1" and other[0].queued.tier == "critical"
     assert other[-1].done.usage.prompt_tokens == len(theirs)
     # The same over JSON (HTTP/1.1) for a third key.
     status, events = post_http1(
@@ -129,7 +139,7 @@ def test_a_reused_id_never_hands_one_key_another_keys_result(stack):
     assert events[-1]["done"]["usage"]["prompt_tokens"] == len(theirs)
     # Each key reads its own request under that id.
     assert grpc_status(stack, CRITICAL, "shared-1").usage.prompt_tokens == len(mine)
-    assert grpc_status(stack, STANDARD, "shared-1").usage.prompt_tokens == len(theirs)
+    assert grpc_status(stack, CRITICAL_2, "shared-1").usage.prompt_tokens == len(theirs)
     # The same key retrying the same request joins it: its tokens and result again, not a second
     # run (no Queued).
     again = generate(stack, CRITICAL, mine, "shared-1", max_new_tokens=4)
@@ -152,14 +162,15 @@ def test_another_keys_request_is_not_found_on_every_path(stack):
     # gRPC: NOT_FOUND, also when the caller sends the owner's key label itself (the gateway
     # overwrites it).
     spoof = [("x-tierflow-key-id", "demo-critical")]
-    assert grpc_status_code(stack, STANDARD, "private-1") is grpc.StatusCode.NOT_FOUND
-    assert grpc_status_code(stack, STANDARD, "private-1", spoof) is grpc.StatusCode.NOT_FOUND
+    for other in (CRITICAL_2, STANDARD):  # another key of the same tier, and of another tier
+        assert grpc_status_code(stack, other, "private-1") is grpc.StatusCode.NOT_FOUND
+        assert grpc_status_code(stack, other, "private-1", spoof) is grpc.StatusCode.NOT_FOUND
     assert grpc_status(stack, CRITICAL, "private-1").state == serving_pb2.RequestStatus.DONE
     # JSON over HTTP/1.1 and HTTP/2: 404 for another key, the same body as an unknown id.
-    status, body = get_http1(stack, STANDARD, "private-1")
+    status, body = get_http1(stack, CRITICAL_2, "private-1")
     assert status == 404 and "private-1" in json.dumps(body)
     assert get_http1(stack, STANDARD, "never-used")[0] == 404
-    status, text = curl_http2(stack, STANDARD, "GET", "/v1/requests/private-1")
+    status, text = curl_http2(stack, CRITICAL_2, "GET", "/v1/requests/private-1")
     assert status == 404, text
     status, body = get_http1(stack, CRITICAL, "private-1")
     assert status == 200 and body["state"] == "DONE" and body["request_id"] == "private-1"
@@ -170,7 +181,7 @@ def test_another_keys_request_is_not_found_on_every_path(stack):
     assert status == 200
     openai_id = headers["x-tierflow-request-id"]
     assert grpc_status(stack, CRITICAL, openai_id).state == serving_pb2.RequestStatus.DONE
-    assert grpc_status_code(stack, STANDARD, openai_id) is grpc.StatusCode.NOT_FOUND
+    assert grpc_status_code(stack, CRITICAL_2, openai_id) is grpc.StatusCode.NOT_FOUND
     assert get_http1(stack, BATCH, openai_id)[0] == 404
     assert curl_http2(stack, STANDARD, "GET", f"/v1/requests/{openai_id}")[0] == 404
 
@@ -206,15 +217,15 @@ def test_one_key_cannot_join_or_cancel_another_keys_running_request(stack):
     thread = threading.Thread(target=owner)
     thread.start()
     assert owner_started.wait(60)
-    # Another key opens the same id while the owner's request runs, then walks away: that
-    # queued and then cancelled a request of its own, not the owner's.
-    with TierflowClient(stack.target, api_key=STANDARD) as client:
+    # Another key of the same tier opens the same id while the owner's request runs, then walks
+    # away: that queued and then cancelled a request of its own, not the owner's.
+    with TierflowClient(stack.target, api_key=CRITICAL_2) as client:
         stream = client.generate(
             ids(8, seed=6), max_new_tokens=300, request_id="running-1", timeout=60
         )
         first = next(stream)
         stream.close()
-    assert first.WhichOneof("event") == "queued" and first.queued.tier == "standard"
+    assert first.WhichOneof("event") == "queued" and first.queued.tier == "critical"
     status, events = post_http1(
         stack, BATCH, {"token_ids": {"ids": ids(8, seed=6)}, "request_id": "running-1"}
     )
