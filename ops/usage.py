@@ -43,7 +43,7 @@ class UsageRow:
         self.prompt_tokens += record.prompt_tokens if done else 0
         self.output_tokens += record.output_tokens if done else 0
         self.slo_met += _slo_met(record)
-        self.downgraded += bool(record.requested_tier) and record.requested_tier != record.tier
+        self.downgraded += bool(record.requested_tier)  # set only when it differs from tier
         self.refused += record.status in REFUSED
 
 

@@ -128,12 +128,9 @@ class QueueServiceMetrics:
 
     def _count_tokens(self, record: queue_pb2.FinishedRequest) -> None:
         d, served = self.deployment, record.tier
-        key = record.key_id
-        if key not in self._keys:
-            if len(self._keys) >= self.max_key_series:
-                key = OTHER_KEYS
-            else:
-                self._keys.add(key)
+        if len(self._keys) < self.max_key_series:
+            self._keys.add(record.key_id)
+        key = record.key_id if record.key_id in self._keys else OTHER_KEYS
         for kind, n in (("prompt", record.prompt_tokens), ("output", record.output_tokens)):
             self.tokens.labels(d, record.requested_tier or served, served, kind).inc(n)
             self.key_tokens.labels(d, key, served, kind).inc(n)

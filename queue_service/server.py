@@ -177,7 +177,7 @@ class QueueService:
                     self.kafka.publish_capacity(load_record(self.core.tier_load(tier)))
             await asyncio.sleep(self.config.capacity_publish_s)
 
-    def _capacity_read(self, record) -> None:
+    def _capacity_read(self, record: queue_pb2.TierCapacity) -> None:
         try:
             self.board.update(published_load(record))
         except ValueError as exc:
