@@ -26,6 +26,7 @@ import psutil
 from bench.cpu_steal import steal_share
 from bench.event_log import EventLog
 from bench.workload import Arrival, Workload, prompt_ids
+from queue_service.core.capacity_board import CapacityBoard, PublishedLoad
 from queue_service.core.dispatcher import Dispatcher
 from queue_service.scheduler import (
     DecodeStepDone,
@@ -60,6 +61,7 @@ class RequestRecord:
     first_token_at: float | None = None
     done_at: float | None = None
     rejected: str | None = None
+    served_tier: str | None = None  # the tier admission put it at (None: rejected there)
     failed: str | None = None
     preemptions: int = 0
     recomputes: int = 0
@@ -213,7 +215,9 @@ def scheduler_event(worker_id: str, event: RunnerEvent) -> Event | None:
 class _Run:
     """One replay: the records it fills and the loop that drives the dispatcher."""
 
-    def __init__(self, scheduler, engines, workload, vocab_size, on_progress, log) -> None:
+    def __init__(
+        self, scheduler, engines, workload, vocab_size, on_progress, log, admission
+    ) -> None:
         self.log: EventLog | None = log
         self.events: queue.Queue = queue.Queue()
         self.records = {a.request_id: RequestRecord(a) for a in workload.arrivals}
@@ -229,6 +233,9 @@ class _Run:
             scheduler, self.timers, clock=self.now, on_reject=self._rejected
         )
         self.tiers = scheduler.tiers
+        # The service's admission, on this run's clock (``_place``); None: every request
+        # stands at its tier.
+        self.admission = CapacityBoard("bench", self.tiers, clock=self.now) if admission else None
         self.runners = {
             f"w{i}": BatchRunner(engine, (lambda e, w=f"w{i}": self.events.put((w, e))), f"w{i}")
             for i, engine in enumerate(engines)
@@ -291,20 +298,40 @@ class _Run:
             self._arrive(self.pending.pop(0))
 
     def _arrive(self, arrival: Arrival) -> None:
-        self.records[arrival.request_id].arrived_at = self.start + arrival.at_s
+        record = self.records[arrival.request_id]
+        record.arrived_at = self.start + arrival.at_s
+        tier = record.served_tier = self._place(arrival)
+        if tier is None:
+            self.unfinished -= 1  # refused at admission: record.rejected says why
+            return
         if self.log is not None:
-            self.log.arrival(
-                arrival.request_id, arrival.tier, arrival.prompt_tokens, self.start + arrival.at_s
-            )
+            self.log.arrival(arrival.request_id, tier, arrival.prompt_tokens, record.arrived_at)
         self.dispatcher.handle(
             RequestArrived(
                 arrival.request_id,
-                arrival.tier,
+                tier,
                 arrival.prompt_tokens,
                 arrival.max_new_tokens,
                 arrival_s=arrival.at_s,
+                key_id=arrival.key_id,
             )
         )
+
+    def _place(self, arrival: Arrival) -> str | None:
+        """The tier the request is served at: the overflow rules of ``config/tiers.toml``
+        applied by the service's own ``CapacityBoard``, fed the scheduler's exact loads."""
+        if self.admission is None:
+            return arrival.tier
+        now = self.now()
+        scheduler = self.dispatcher.scheduler
+        for tier in self.tiers:
+            if tier.overflow is not None:
+                load = scheduler.tier_load(tier.name, now)
+                self.admission.update(PublishedLoad("bench", now, load, {}))
+        placement = self.admission.place(arrival.tier, arrival.prompt_tokens, arrival.key_id)
+        if placement.served_tier is None:
+            self.records[arrival.request_id].rejected = placement.refusal.reason()
+        return placement.served_tier
 
     def _record(self, event: RunnerEvent) -> None:
         if self.log is not None:
@@ -362,9 +389,11 @@ def run_policy(
     on_progress: Callable[[], None] = lambda: None,
     max_idle_s: float = 600.0,
     event_log: EventLog | None = None,
+    admission: bool = False,
 ) -> RunResult:
-    """``event_log``: where to write the run's timeline (``bench.event_log``), if anywhere."""
-    run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log)
+    """``event_log``: where to write the run's timeline (``bench.event_log``), if anywhere.
+    ``admission``: apply the tiers' overflow rules at arrival, as the queue service does."""
+    run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log, admission)
     try:
         run.loop(max_idle_s)
     finally:

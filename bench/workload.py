@@ -20,6 +20,7 @@ class Arrival:
     tier: str
     prompt_tokens: int
     max_new_tokens: int = 1
+    key_id: str = ""  # the API key that sends it (`tierflow bench --flood`); "" for one key
 
 
 @dataclass(frozen=True)

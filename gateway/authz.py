@@ -7,7 +7,9 @@ mutations that Envoy applies to the request it forwards:
 * ``x-tierflow-tier: <tier>`` is SET, overwriting any value the client sent: the tier comes
   from who sent the request, never from the request itself (the queue service trusts it).
 * ``x-tierflow-key-id: <label>`` is SET to the key's label from the keys file (never the key),
-  for the request log.
+  for the request log, tenant scoping and the edge's per-key rate limit.
+* ``x-tierflow-key-weight: <weight>`` is SET to the key's share of its tier (``weight`` in the
+  keys file, 1 by default): the scheduler's fair order between the keys of a tier.
 * ``x-api-key`` and ``authorization`` are removed, so the key never reaches an upstream or its
   logs.
 
@@ -32,7 +34,7 @@ from google.rpc import code_pb2, status_pb2
 from gateway.keys import KeyStore, key_fingerprint
 from gateway.metrics import GatewayMetrics
 from tierflow.openai_errors import error_json
-from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
+from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, KEY_WEIGHT_HEADER, TIER_HEADER
 
 log = structlog.get_logger("gateway.authz")
 
@@ -78,8 +80,10 @@ def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
 
 
-def allow(tier: str, key_id: str = "") -> external_auth_pb2.CheckResponse:
-    set_headers = {TIER_HEADER: tier} | ({KEY_ID_HEADER: key_id} if key_id else {})
+def allow(tier: str, key_id: str = "", weight: float = 1.0) -> external_auth_pb2.CheckResponse:
+    set_headers = {TIER_HEADER: tier, KEY_WEIGHT_HEADER: f"{weight:g}"}
+    if key_id:
+        set_headers[KEY_ID_HEADER] = key_id
     return external_auth_pb2.CheckResponse(
         status=status_pb2.Status(code=code_pb2.OK),
         ok_response=external_auth_pb2.OkHttpResponse(
@@ -146,4 +150,4 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
             return deny("unknown API key", openai=openai)
         log.info("allowed", tier=key.tier, key=key.name, key_fp=key.fingerprint, **where)
         self.metrics.decided(key.tier, True, "key")
-        return allow(key.tier, key.name)
+        return allow(key.tier, key.name, key.weight)

@@ -63,10 +63,10 @@ def render_envoy_config(
     valid) and ``canary_percent`` must be 0. With no ``openai_api``, its cluster has no
     endpoint: the OpenAI paths answer 503. ``canary_percent`` sets the default weights of the split
     exactly (100 - p : p); the runtime key still overrides them. ``rate_limits`` maps a tier to
-    ``(burst, per_second)``: a token bucket of ``burst`` requests that refills at
-    ``per_second`` requests a second (see ``token_bucket``), on each of the tier's routes (its
-    gRPC/JSON route and its OpenAI route, a bucket each); tiers not named keep the shipped
-    limits.
+    ``(burst, per_second)``: each key of the tier gets a token bucket of ``burst`` requests
+    that refills at ``per_second`` requests a second (see ``token_bucket``), on each of the
+    tier's routes (its gRPC/JSON route and its OpenAI route, a bucket each); tiers not named
+    keep the shipped limits.
     """
     if not 0 <= canary_percent <= 100:
         raise ValueError(f"canary_percent must be in [0, 100], got {canary_percent}")
@@ -125,7 +125,8 @@ def _set_canary_weights(routes: list[dict], canary_percent: int) -> None:
 
 
 def _set_rate_limits(routes: list[dict], rate_limits: Mapping[str, tuple[int, float]]) -> None:
-    """Every route of a named tier gets a token bucket of its own with those numbers."""
+    """Every key of a named tier gets a token bucket of its own with those numbers, on each
+    route of the tier (the descriptor without a value: one bucket per key label)."""
     tier_routes: dict[str, list[dict]] = {}
     for route in routes:
         if RATE_LIMIT in route.get("typed_per_filter_config", {}):
@@ -134,9 +135,8 @@ def _set_rate_limits(routes: list[dict], rate_limits: Mapping[str, tuple[int, fl
         if tier not in tier_routes:
             raise ValueError(f"no route for tier {tier!r}; tier routes: {sorted(tier_routes)}")
         for route in tier_routes[tier]:
-            bucket = route["typed_per_filter_config"][RATE_LIMIT]["token_bucket"]
-            bucket.clear()
-            bucket.update(token_bucket(burst, per_second))
+            (per_key,) = route["typed_per_filter_config"][RATE_LIMIT]["descriptors"]
+            per_key["token_bucket"] = token_bucket(burst, per_second)
 
 
 def _tier_of(route: Mapping[str, Any]) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from tierflow.tiers import TierTable
+from tierflow.tiers import MAX_KEY_WEIGHT, TierTable
 
 log = structlog.get_logger("gateway.keys")
 
@@ -37,6 +37,7 @@ _HASH = re.compile(r"^[0-9a-f]{64}$")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _KEY_CHARS = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces: a valid header value
 _FIELDS = {"sha256", "tier"}
+_OPTIONAL = {"weight"}
 _TOP_LEVEL = {"keys", "tiers"}  # [tiers] is tolerated so one file may hold both tables
 
 
@@ -78,6 +79,7 @@ class ApiKey:
     name: str  # the label of its [keys.<name>] table: who holds it, for logs and revocation
     sha256: str
     tier: str
+    weight: float = 1.0  # its share of its tier, against the tier's other keys
 
     @property
     def fingerprint(self) -> str:
@@ -132,10 +134,10 @@ class KeyTable:
                 raise ValueError(f"{where}: a key's name must be letters, digits, '_', '-' or '.'")
             if not isinstance(body, Mapping):
                 raise ValueError(f"{where} must be a table with sha256 and tier")
-            extra = set(body) - _FIELDS
+            extra = set(body) - _FIELDS - _OPTIONAL
             if extra:
                 raise ValueError(
-                    f"{where}: unknown field(s) {sorted(extra)}; allowed: sha256, tier"
+                    f"{where}: unknown field(s) {sorted(extra)}; allowed: sha256, tier, weight"
                 )
             missing = _FIELDS - set(body)
             if missing:
@@ -153,7 +155,16 @@ class KeyTable:
                     f"{where}: tier {tier!r} is not in the tier table "
                     f"(known tiers: {', '.join(tiers.names)})"
                 )
-            keys.append(ApiKey(name=name, sha256=digest.lower(), tier=tier))
+            weight = body.get("weight", 1)
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not 0 < weight <= MAX_KEY_WEIGHT
+            ):
+                raise ValueError(
+                    f"{where}: weight must be a number in (0, {MAX_KEY_WEIGHT:g}], got {weight!r}"
+                )
+            keys.append(ApiKey(name=name, sha256=digest.lower(), tier=tier, weight=float(weight)))
         try:
             return cls(keys)
         except ValueError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from launch.local_stack import StackConfig
@@ -114,7 +115,17 @@ def _bench(args: argparse.Namespace) -> int:
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     cfg = PolicyBenchConfig.quick(**overrides) if args.quick else PolicyBenchConfig(**overrides)
-    if args.stack:
+    if args.flood:
+        from bench.flood import FloodConfig
+        from bench.flood import main as flood_main
+
+        flood = FloodConfig(seed=args.seed)
+        if args.flood_calm:
+            flood = replace(flood, calm_requests=args.flood_calm)
+        if args.max_new_tokens:
+            flood = replace(flood, max_new_tokens=args.max_new_tokens)
+        flood_main(flood, cfg, args.json, args.plot)
+    elif args.stack:
         from launch.stack_bench import main as stack_main
 
         stack_main(cfg, args.json, args.plot)
@@ -389,6 +400,12 @@ def _add_bench(sub) -> None:
         help="comma-separated multiples of the base rate: goodput at sustained rates, each a "
         "fresh Poisson workload with at least --min-critical critical requests (e.g. 0.5,1,2,3)",
     )
+    b.add_argument(
+        "--flood", action="store_true",
+        help="one critical key floods the tier at 3x its measured capacity beside a calm key, "
+        "under the shipped overflow rule, reject, and admission and fairness off (bench.flood)",
+    )  # fmt: skip
+    b.add_argument("--flood-calm", type=int, help="the calm key's requests in --flood (200)")
     b.add_argument("--sustained-seeds", help="seeds of --sustained (default 0,1,2)")
     b.add_argument("--min-critical", type=int, help="critical requests per --sustained point (100)")
     b.add_argument(

@@ -33,7 +33,7 @@ from openai_api.render import DONE_EVENT, Renderer
 from openai_api.service_tiers import ServiceTiers
 from openai_api.translate import Plan, ServedModel, chat_plan, check_model, completion_plan
 from tierflow.client import AsyncTierflowClient
-from tierflow.tiers import KEY_ID_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
+from tierflow.tiers import KEY_ID_HEADER, KEY_WEIGHT_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
 
 log = structlog.get_logger("openai_api")
 
@@ -118,6 +118,7 @@ class OpenAIApi:
             # The key's label (set by the gateway): the request is in that key's scope, so its
             # id (x-tierflow-request-id) means nothing to any other key.
             key_id=request.headers.get(KEY_ID_HEADER),
+            key_weight=request.headers.get(KEY_WEIGHT_HEADER),
             max_new_tokens=plan.max_new_tokens,
             temperature=plan.temperature,
             top_p=plan.top_p,

@@ -30,7 +30,7 @@ import grpc
 import structlog
 
 from tierflow.resume import Resume, StreamError, time_left
-from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, TIER_HEADER
+from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, KEY_WEIGHT_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 __all__ = ["AsyncTierflowClient", "Completion", "EventStream", "StreamError", "TierflowClient"]
@@ -84,7 +84,10 @@ def generate_request(
 
 
 def _metadata(
-    api_key: str | None, tier: str | None, key_id: str | None = None
+    api_key: str | None,
+    tier: str | None,
+    key_id: str | None = None,
+    key_weight: str | None = None,
 ) -> tuple[tuple[str, str], ...]:
     metadata = []
     if api_key is not None:
@@ -93,6 +96,8 @@ def _metadata(
         metadata.append((TIER_HEADER, tier))
     if key_id:
         metadata.append((KEY_ID_HEADER, key_id))
+    if key_weight:
+        metadata.append((KEY_WEIGHT_HEADER, key_weight))
     return tuple(metadata)
 
 
@@ -198,16 +203,17 @@ class AsyncTierflowClient:
         *,
         tier: str | None = None,
         key_id: str | None = None,
+        key_weight: str | None = None,
         timeout: float | None = None,
         **params,
     ) -> EventStream:
         """The Generate call: ``await call.read()`` (or ``async for``) gives its events and
         raises ``grpc.aio.AioRpcError`` with the status on failure; ``call.cancel()`` cancels
         the request. A stream that broke off after Queued is reattached (module docstring).
-        ``tier`` and ``key_id`` are sent as the trusted headers that the edge sets (a caller
-        behind the edge: the request is in that key's scope); ``params``: see
+        ``tier``, ``key_id`` and ``key_weight`` are sent as the trusted headers that the edge
+        sets (a caller behind the edge: the request is in that key's scope); ``params``: see
         ``generate_request``."""
-        metadata = _metadata(self._api_key, tier, key_id)
+        metadata = _metadata(self._api_key, tier, key_id, key_weight)
         return EventStream(
             lambda request, left: self._stub.Generate(request, metadata=metadata, timeout=left),
             Resume(generate_request(prompt, **params), self._reattach_s),

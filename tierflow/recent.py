@@ -53,3 +53,7 @@ class RecentMap(Generic[K, V]):
     def __iter__(self) -> Iterator[K]:
         """Oldest first."""
         return iter(self._items)
+
+    def items(self) -> Iterator[tuple[K, V]]:
+        """(key, value) pairs, oldest first."""
+        return iter(self._items.items())

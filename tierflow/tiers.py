@@ -35,6 +35,10 @@ TIER_HEADER = "x-tierflow-tier"
 # The label of the key that sent a request (set by the gateway, never the key): the request log
 # records it, so an audit can tell customers apart without holding their keys.
 KEY_ID_HEADER = "x-tierflow-key-id"
+# That key's share of its tier (``weight`` in config/keys.toml, set by the gateway): the
+# scheduler serves the keys of a tier in weighted fair order.
+KEY_WEIGHT_HEADER = "x-tierflow-key-weight"
+MAX_KEY_WEIGHT = 1000.0  # a share is a ratio between keys: 1000:1 is as uneven as it gets
 # On a response: the tier the key asked for, when admission served the request at a lower one
 # because the asked tier was at capacity (its overflow rule); x-tierflow-tier names the one
 # that served it.

@@ -145,6 +145,7 @@ class BatchRunner:
         self._waiting_rows: list[str] = []  # prefilled or resumed, waiting for a batch row
         self._lock = threading.Lock()
         self._running: frozenset[str] = frozenset()  # the prefill (or pack) on the engine now
+        self._preempt_named: set[str] = set()  # the members of it that a Preempt named
         self._head: str | None = None  # its first request
         self._signalled_at = 0.0
         self._stopping = False
@@ -204,6 +205,7 @@ class BatchRunner:
             self._signalled_at = time.perf_counter()
             if request_id in self._running:
                 self.channel.preempt(drop_state=drop_state)
+                self._preempt_named.add(request_id)
                 return True
         self._commands.put(("pause", (request_id, drop_state)))
         return True
@@ -492,6 +494,7 @@ class BatchRunner:
         recompute = pack is None and bool(tasks[0].output_ids)  # a dropped decode, again
         with self._lock:
             self._running, self._head = frozenset(ids), ids[0]
+            self._preempt_named = set()
         started = time.perf_counter()
         for rid in ids:
             self._entries[rid].progress.run_started = started
@@ -507,6 +510,7 @@ class BatchRunner:
         with self._lock:
             self._running, self._head = frozenset(), None
             signal = self.channel.signal
+            named = self._preempt_named
             self.channel.clear()
         stopped = outcome is not None and outcome.status is RunStatus.PREEMPTED
         if signal is Signal.CANCEL:
@@ -521,10 +525,12 @@ class BatchRunner:
         if signal in (Signal.PREEMPT, Signal.PREEMPT_DROP) and outcome is not None and not stopped:
             # The Preempt came after the last checked boundary (at chunk ends only, or just as
             # the prefill ended): the first tokens are out, so it pauses those requests, as a
-            # PauseDecode would; the scheduler waits for that acknowledgement.
+            # PauseDecode would; the scheduler waits for that acknowledgement. Only the members
+            # the Preempt named: the scheduler may already count another member of a pack as
+            # decoding (its first token came first), and would never hear of it again.
             drop = signal is Signal.PREEMPT_DROP
             for task in self._live(tasks):
-                if task.phase is Phase.DECODE:
+                if task.phase is Phase.DECODE and task.request_id in named:
                     self._on_pause((task.request_id, drop))
 
     def _live_one(self, rid: str) -> list[Task]:

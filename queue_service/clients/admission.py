@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER, TierTable
+from tierflow.tiers import KEY_ID_HEADER, KEY_WEIGHT_HEADER, MAX_KEY_WEIGHT, TIER_HEADER, TierTable
 from tierflow.v1 import queue_pb2, serving_pb2
 
 MAX_REQUEST_ID_LEN = 128
@@ -69,6 +69,24 @@ def key_id_from_metadata(metadata: tuple[tuple[str, str | bytes], ...]) -> str:
             grpc.StatusCode.INVALID_ARGUMENT, f"{KEY_ID_HEADER} must be one key label"
         )
     return key_id
+
+
+def key_weight_from_metadata(metadata: tuple[tuple[str, str | bytes], ...]) -> float:
+    """The key's share of its tier (1 when the request did not come through the edge)."""
+    values = [v for k, v in metadata if k.lower() == KEY_WEIGHT_HEADER]
+    if not values:
+        return 1.0
+    text = values[0].decode("utf-8", "replace") if isinstance(values[0], bytes) else values[0]
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if len(values) > 1 or not (0 < weight <= MAX_KEY_WEIGHT):
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{KEY_WEIGHT_HEADER} must be one number in (0, {MAX_KEY_WEIGHT:g}]",
+        )
+    return weight
 
 
 def scoped_request_id(key_id: str, request_id: str) -> str:

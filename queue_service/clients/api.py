@@ -36,6 +36,7 @@ from queue_service.clients.admission import (
     AdmissionLimits,
     admit,
     key_id_from_metadata,
+    key_weight_from_metadata,
     request_digest,
     scoped_request_id,
     tier_from_metadata,
@@ -147,6 +148,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         try:
             tier = tier_from_metadata(metadata, self.tiers)
             key_id = key_id_from_metadata(metadata)
+            key_weight = key_weight_from_metadata(metadata)
             admitted = admit(request, tier, self.limits, self.tokenize, self.vocab_size)
         except AdmissionError as exc:
             await context.abort(exc.code, exc.message)
@@ -170,6 +172,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             deadline_unix_ms=int((now + timeout_s) * 1000) if timeout_s else 0,
             reply_to=self.core.instance_id,
             key_id=key_id,
+            key_weight=key_weight,
         )
         return Intake(admitted.request_id, record, timeout_s)
 
@@ -230,7 +233,13 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         except Exception as exc:  # broker unreachable or refused: nothing was queued
             log_.error("kafka publish failed", error=str(exc))
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"request queue unavailable: {exc}")
-        self.board.admitted(record.tier, record.arrival_unix_ms, len(record.prompt_ids))
+        self.board.admitted(
+            record.tier,
+            record.arrival_unix_ms,
+            len(record.prompt_ids),
+            record.key_id,
+            record.key_weight or 1.0,
+        )
         log_.info("queued", prompt_tokens=len(record.prompt_ids))
         return serving_pb2.GenerateEvent(
             request_id=intake.client_id,
@@ -247,7 +256,9 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         """Apply the tier's overflow rule: ``record`` moves to the tier that serves it (the
         asked tier kept in ``requested_tier``), or the call ends with RESOURCE_EXHAUSTED and a
         ``retry-after`` in seconds."""
-        placement = self.board.place(record.tier, len(record.prompt_ids))
+        placement = self.board.place(
+            record.tier, len(record.prompt_ids), record.key_id, record.key_weight or 1.0
+        )
         if placement.served_tier is None:
             refusal = placement.refusal
             log.info("refused at capacity", request_id=record.request_id, tier=record.tier)

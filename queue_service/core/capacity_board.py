@@ -11,7 +11,7 @@ than ``stale_after_s`` is gone: its owner stopped or lost the partitions.
 
 Between its admission and its owner counting it, a request is in no load, and a burst admitted
 within one publish period would all see the same committed work. So the board also keeps a
-ledger of what its own instance admitted (admission stamp, prompt length): an entry adds to the
+ledger of what its own instance admitted (admission stamp, key, prompt length): an entry adds to the
 committed work until a load counts it (its owner's ``counted_through`` for this instance
 reaches the entry's stamp) or ``ledger_ttl_s`` passes. With one partition per tier (the
 default) that is exact, except that two admissions whose Kafka writes overtake each other can
@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from queue_service.scheduler.capacity import TierLoad, Verdict, judge
+from queue_service.scheduler.capacity import KeyLoad, Pending, TierLoad, Verdict, judge
 from tierflow.tiers import TierTable
 from tierflow.v1 import queue_pb2
 
@@ -58,6 +58,10 @@ def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
         coefficients=load.coefficients,
         calibrated=load.calibrated,
         counted_through_unix_ms=published.counted_through_ms,
+        keys=[
+            queue_pb2.KeyCapacity(key_id=k.key_id, weight=k.weight, committed_s=k.committed_s)
+            for k in load.keys
+        ],
     )
 
 
@@ -74,6 +78,7 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
         margin=record.margin,
         coefficients=(a, b, c),
         calibrated=record.calibrated,
+        keys=tuple(KeyLoad(k.key_id, k.weight or 1.0, k.committed_s) for k in record.keys),
     )
     return PublishedLoad(
         record.instance_id,
@@ -105,7 +110,7 @@ class Placement:
 class _Admission:
     tier: str
     stamp_ms: int
-    prompt_tokens: int
+    pending: Pending
 
 
 class CapacityBoard:
@@ -145,28 +150,34 @@ class CapacityBoard:
             if t == tier and now - p.as_of_s <= self.stale_after_s
         ]
 
-    def pending(self, tier: str) -> list[int]:
-        """Prompt lengths of this instance's admissions of ``tier`` that no load counts yet."""
+    def pending(self, tier: str) -> list[Pending]:
+        """This instance's admissions of ``tier`` that no load counts yet."""
         self._forget_old()
         counted = max(
             (p.counted_through_ms.get(self.instance_id, 0) for p in self.loads(tier)), default=0
         )
-        return [a.prompt_tokens for a in self._ledger if a.tier == tier and a.stamp_ms > counted]
+        return [a.pending for a in self._ledger if a.tier == tier and a.stamp_ms > counted]
 
-    def admitted(self, tier: str, stamp_ms: int, prompt_tokens: int) -> None:
+    def admitted(
+        self, tier: str, stamp_ms: int, prompt_tokens: int, key_id: str = "", weight: float = 1.0
+    ) -> None:
         """This instance queued a request of ``tier`` stamped ``stamp_ms`` (its arrival)."""
         if self.tiers[tier].overflow is not None:
-            self._ledger.append(_Admission(tier, stamp_ms, prompt_tokens))
+            self._ledger.append(_Admission(tier, stamp_ms, Pending(key_id, weight, prompt_tokens)))
 
-    def place(self, tier: str, prompt_tokens: int) -> Placement:
-        """The tier a new request of ``tier`` is served at: its own while the rule admits it,
-        else the next tier down (``downgrade``, whose own rule applies in turn) or none
-        (``reject``)."""
+    def place(
+        self, tier: str, prompt_tokens: int, key_id: str = "", weight: float = 1.0
+    ) -> Placement:
+        """The tier a new request of ``tier`` from key ``key_id`` is served at: its own while
+        the rule admits it, else the next tier down (``downgrade``, whose own rule applies in
+        turn) or none (``reject``)."""
         verdicts: list[Verdict] = []
         policy = self.tiers[tier]
         while True:
             loads = [p.load for p in self.loads(policy.name)]
-            verdict = judge(policy, loads, prompt_tokens, self.pending(policy.name))
+            verdict = judge(
+                policy, loads, prompt_tokens, self.pending(policy.name), key_id, weight
+            )
             if verdict is None or verdict.admit:
                 return Placement(tier, policy.name, tuple(verdicts))
             verdicts.append(verdict)

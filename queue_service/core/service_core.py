@@ -226,6 +226,8 @@ class ServiceCore:
                 len(record.prompt_ids),
                 record.max_new_tokens,
                 arrival_s=live.arrived_at,  # the deadline counts from admission
+                key_id=record.key_id,
+                key_weight=record.key_weight or 1.0,
             )
         )
         if request_id in self.live and not self.dispatcher.handles:

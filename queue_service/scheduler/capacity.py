@@ -18,15 +18,38 @@ predictor's observed under-estimate (``margin``):
 
 A request is admitted at its tier when that is within the tier's SLO. The same rule covers a
 request whose own prefill alone exceeds the SLO.
+
+Between the keys of a tier (``fairness``) the scheduler serves in weighted fair order, so the
+work ahead of a newcomer of key k is not all the tier's committed work but its own key's
+``c_k`` and, of every other key j, what fair order runs first: ``min(c_j, w_j / w_k * (c_k +
+own))``. Fair order also lets another key's later requests run before it, up to that key's
+share of the tier. So while key k is over its own share (``c_k + own > share_k``), admission
+keeps the unused share of every other active key free for it:
+
+    committed_s = c_k + sum_j min(c_j, w_j / w_k * (c_k + own))
+                      + (sum_j max(0, share_j - c_j)  if k is over its share)
+    share_j     = W * (SLO - switch_s) / (1 + margin) * w_j / (sum of the active keys' w)
+
+A key that floods the tier fills at most what the others leave of it, and a key within its
+share is admitted ahead of the flood. With one key the formula is the one above.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierflow.tiers import TierPolicy
+
+
+@dataclass(frozen=True)
+class KeyLoad:
+    """One key's part of a tier's committed work (an active key may have none)."""
+
+    key_id: str
+    weight: float
+    committed_s: float
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class TierLoad:
     margin: float  # the predictor's observed relative under-estimate
     coefficients: tuple[float, float, float]  # the prefill predictor's a, b, c
     calibrated: bool  # the predictor was fitted to measurements, not its fallback
+    keys: tuple[KeyLoad, ...] = ()  # per key: the committed work, and the keys active lately
 
 
 def predict_prefill_s(coefficients: tuple[float, float, float], prompt_tokens: int) -> float:
@@ -72,10 +96,12 @@ def judge(
     tier: TierPolicy,
     loads: Sequence[TierLoad],
     prompt_tokens: int,
-    pending_prompts: Sequence[int] = (),
+    pending: Sequence[Pending] = (),
+    key_id: str = "",
+    key_weight: float = 1.0,
 ) -> Verdict | None:
-    """Whether a request of ``prompt_tokens`` is admitted at ``tier`` on top of ``loads`` and
-    of ``pending_prompts`` (the prompt lengths of requests admitted that no load counts yet).
+    """Whether a request of ``prompt_tokens`` from key ``key_id`` is admitted at ``tier`` on
+    top of ``loads`` and of ``pending`` (requests admitted that no load counts yet).
     None when the rule cannot be applied: the tier has none, no worker serves it, or no load
     has a calibrated predictor (the request then stands at its tier)."""
     if tier.overflow is None:
@@ -91,7 +117,57 @@ def judge(
     own_s = prefill_s(prompt_tokens)
     margin = max(load.margin for load in calibrated)
     switch_s = max(load.switch_s for load in loads)
-    committed_s = sum(load.committed_s for load in loads)
-    committed_s += sum(prefill_s(tokens) for tokens in pending_prompts)
+    keys = _key_loads(loads, pending, prefill_s)
+    keys.setdefault(key_id, KeyLoad(key_id, key_weight, 0.0))
+    keys[key_id] = KeyLoad(key_id, key_weight, keys[key_id].committed_s)
+    capacity_s = workers * max(0.0, tier.ttft_slo_s - switch_s) / (1.0 + margin)
+    committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     ttft_s = switch_s + (1.0 + margin) * (committed_s / workers + own_s)
     return Verdict(tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request this instance admitted that no published load counts yet."""
+
+    key_id: str
+    weight: float
+    prompt_tokens: int
+
+
+def _key_loads(
+    loads: Sequence[TierLoad], pending: Sequence[Pending], prefill_s: Callable[[int], float]
+) -> dict[str, KeyLoad]:
+    """Per key, the committed work of every instance and of the pending admissions summed.
+    A load that names no keys (one from before keys were published) counts as key ""."""
+    keys: dict[str, KeyLoad] = {}
+
+    def add(key_id: str, weight: float, seconds: float) -> None:
+        before = keys.get(key_id)
+        total = seconds + (before.committed_s if before else 0.0)
+        keys[key_id] = KeyLoad(key_id, max(weight, before.weight if before else 0.0), total)
+
+    for load in loads:
+        named = sum(k.committed_s for k in load.keys)
+        for key in load.keys:
+            add(key.key_id, key.weight, key.committed_s)
+        if load.committed_s > named + 1e-9:
+            add("", 1.0, load.committed_s - named)
+    for item in pending:
+        add(item.key_id, item.weight, prefill_s(item.prompt_tokens))
+    return keys
+
+
+def _ahead_s(keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: float) -> float:
+    """The committed work a newcomer of ``key_id`` waits for in fair order, with the unused
+    shares of the other keys kept free while its key is over its own share."""
+    mine = keys[key_id]
+    others = [k for k in keys.values() if k.key_id != key_id]
+    tag = (mine.committed_s + own_s) / mine.weight
+    ahead = mine.committed_s + sum(min(k.committed_s, k.weight * tag) for k in others)
+    total_weight = sum(k.weight for k in keys.values())
+    if mine.committed_s + own_s > capacity_s * mine.weight / total_weight:
+        ahead += sum(
+            max(0.0, capacity_s * k.weight / total_weight - k.committed_s) for k in others
+        )
+    return ahead

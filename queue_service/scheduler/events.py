@@ -27,6 +27,8 @@ class RequestArrived:
     prompt_tokens: int
     max_new_tokens: int = 0
     arrival_s: float | None = None
+    key_id: str = ""  # the API key's label: fair order between the keys of a tier
+    key_weight: float = 1.0  # the key's share of its tier (``weight`` in config/keys.toml)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from queue_service.scheduler.fairness import fair_order
 from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
 from queue_service.scheduler.prediction_error import PredictionErrors, SwitchTime
 from queue_service.scheduler.predictor import PrefillTimePredictor
@@ -67,8 +68,8 @@ def rank_waiting(
     now: float,
     workers: Sequence[WorkerSlot] = (),
 ) -> list[Request]:
-    """Waiting requests (queued or suspended), best first: aged ones, then the policy's order
-    corrected by its tier guard."""
+    """Waiting requests (queued or suspended), best first: aged ones, then the policy's order,
+    fair between the keys of each tier (``fairness``), corrected by its tier guard."""
     waiting = [r for r in requests if r.waiting]
     left = {r.request_id: estimator.prefill_left(r, now) for r in waiting}
     aged: list[Request] = []
@@ -77,6 +78,7 @@ def rank_waiting(
         (aged if rules.aged(req, now) else fresh).append(req)
     aged.sort(key=lambda r: (r.arrival_s, r.seq))  # oldest starving request first
     fresh.sort(key=lambda r: policy.key(r, now, left[r.request_id]))
+    fresh = fair_order(fresh)
     if policy.guards_tiers:
         fresh = guard_tiers(aged, fresh, left, policy, estimator, now, workers)
     return aged + fresh
@@ -270,6 +272,11 @@ def _pick_victim(
     for worker_id, running in victims.items():
         if pinned is not None and worker_id != pinned:
             continue  # a suspended request can only run where its state is
+        if running.tier is req.tier and running.key_id != req.key_id:
+            # Between the keys of one tier fair order decides (``fairness``), not deadlines:
+            # preempting by deadline would let the victim rank first again once the worker
+            # is free (a preempt/resume loop).
+            continue
         # Past the cap on suspended states (memory), the victim's state is dropped: it is
         # recomputed later, which beats a higher tier waiting behind it.
         drop = policy.drop_state

@@ -37,6 +37,10 @@ class Request:
     prompt_tokens: int
     max_new_tokens: int = 0
     seq: int = 0  # admission order: the tie-break that keeps every ordering total
+    # The API key that sent it (its label) and the key's share of its tier (``fairness``).
+    key_id: str = ""
+    key_weight: float = 1.0
+    fair_tag: float = 0.0  # its start tag among the keys of its tier (``fairness``)
     state: RequestState = RequestState.QUEUED
     tokens_done: int = 0  # prompt tokens whose state exists (on worker_id)
     # Within the chunk [tokens_done, chunk_end): the fraction of its layers already computed

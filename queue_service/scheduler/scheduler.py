@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from queue_service.scheduler import decode_batch, packing, planner
-from queue_service.scheduler.capacity import TierLoad
+from queue_service.scheduler import decode_batch, fairness, packing, planner
+from queue_service.scheduler.capacity import KeyLoad, TierLoad
 from queue_service.scheduler.events import (
     Assign,
     AssignPacked,
@@ -95,6 +95,11 @@ class SchedulerConfig:
     # tightest deadline in it. A max_pack_size below 2 turns packing off.
     max_pack_size: int = 8
     max_pack_tokens: int = 512
+    # A key keeps its share of its tier reserved at admission (``capacity.judge``) this long
+    # after its last request: a key that sends now and then finds its share free when it
+    # comes back. At most ``remember_keys`` keys are remembered.
+    key_active_s: float = 60.0
+    remember_keys: int = 10_000
 
     def __post_init__(self) -> None:
         for name in (
@@ -112,12 +117,15 @@ class SchedulerConfig:
             "default_prediction_margin",
             "timer_resolution_s",
             "progress_decision_interval_s",
+            "key_active_s",
         ):
             value = getattr(self, name)
             if math.isnan(value) or value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
         if self.remember_finished < 1:
             raise ValueError("remember_finished must be >= 1")
+        if self.remember_keys < 0:
+            raise ValueError("remember_keys must be >= 0")
 
 
 class Scheduler:
@@ -147,6 +155,7 @@ class Scheduler:
         )
         self._requests: dict[str, Request] = {}  # live: not yet terminal
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
+        self._keys = fairness.KeyBook(self.config.remember_keys)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
@@ -194,6 +203,8 @@ class Scheduler:
                 f"invalid request: prompt_tokens={ev.prompt_tokens}, "
                 f"max_new_tokens={ev.max_new_tokens}",
             )
+        if not (ev.key_weight > 0 and math.isfinite(ev.key_weight)):
+            return self._reject(rid, f"invalid key weight {ev.key_weight!r}: must be > 0")
         tier = self.tiers[ev.tier]
         if tier.sheddable:
             reason = self._overload_reason(now)
@@ -201,15 +212,23 @@ class Scheduler:
                 return self._reject(rid, reason, overload=True)
         self._seq += 1
         arrival_s = now if ev.arrival_s is None else min(ev.arrival_s, now)
-        self._requests[rid] = Request(
+        req = Request(
             request_id=rid,
             tier=tier,
             arrival_s=arrival_s,
             prompt_tokens=ev.prompt_tokens,
             max_new_tokens=ev.max_new_tokens,
             seq=self._seq,
+            key_id=ev.key_id,
+            key_weight=ev.key_weight,
             progress_at_s=now,
         )
+        req.fair_tag = self._keys.arrive(
+            req,
+            self.predictor.predict(req.prompt_tokens),
+            (r for r in self._requests.values() if r.tier is tier and r.waiting),
+        )
+        self._requests[rid] = req
         return self._schedule(now)
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
@@ -591,16 +610,19 @@ class Scheduler:
 
     def tier_load(self, tier: str, now: float) -> TierLoad:
         """The tier's committed work here, for admission against its capacity
-        (``capacity.judge``): the predicted prefill time left of its live requests."""
-        committed = sum(
-            self._estimator.prefill_left(r, now)
-            for r in self._requests.values()
-            if r.tier.name == tier
-        )
+        (``capacity.judge``): the predicted prefill time left of its live requests, in all and
+        per key, with every key that sent the tier a request in the last ``key_active_s``."""
+        weights = dict(self._keys.active(tier, now - self.config.key_active_s))
+        by_key = dict.fromkeys(weights, 0.0)
+        for r in self._requests.values():
+            if r.tier.name == tier:
+                by_key[r.key_id] = by_key.get(r.key_id, 0.0) + self._estimator.prefill_left(r, now)
+                weights[r.key_id] = r.key_weight
         return TierLoad(
             tier=tier,
             workers=len(self._workers),
-            committed_s=committed,
+            committed_s=sum(by_key.values()),
+            keys=tuple(KeyLoad(k, weights[k], by_key[k]) for k in sorted(by_key)),
             switch_s=self.switch_s(),
             margin=self.prediction_errors.margin(),
             coefficients=self.predictor.coefficients,

@@ -24,6 +24,7 @@ import contextlib
 import http.client
 import json
 import random
+import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -277,6 +278,7 @@ class EdgeStack:
     port: int
     openai_api: ServiceProcess | None = None
     kafka: KafkaSettings | None = None  # its own topics
+    keys: Path = KEYS_FILE  # the gateway's keys file
 
     def client(self, key_tier: str, **kw) -> TierflowClient:
         """A client through Envoy with the demo key of ``key_tier``."""
@@ -330,7 +332,8 @@ def edge_stack(
             rate_limits=rate_limits,
         )
         started.append(envoy)
-        yield EdgeStack(qs, worker, gateway, envoy, f"127.0.0.1:{port}", port, openai_api, settings)
+        target = f"127.0.0.1:{port}"
+        yield EdgeStack(qs, worker, gateway, envoy, target, port, openai_api, settings, keys)
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -342,12 +345,16 @@ BATCH_BURST = 3
 
 @pytest.fixture(scope="class")
 def tiny_edge(tmp_path_factory, kafka):
+    tmp = tmp_path_factory.mktemp("tiny_edge")
+    keys = tmp / "keys.toml"  # a copy: a test adds a key while the stack runs
+    keys.write_text(KEYS_FILE.read_text())
     with edge_stack(
-        tmp_path_factory.mktemp("tiny_edge"),
+        tmp,
         kafka,
         model="tiny-llama",
         chunk_size=64,
         rate_limits={"batch": (BATCH_BURST, 0.0001)},
+        keys=keys,
     ) as stack:
         yield stack
 
@@ -377,7 +384,7 @@ class TestTinyStack:
         assert not tiny_edge.queue_service_saw("edge-no-key")
         assert "tf-unknown-0123456789abcdef" not in tiny_edge.gateway.log_path.read_text()
 
-    def test_a_tier_over_its_rate_limit_is_resource_exhausted(self, tiny_edge):
+    def test_a_key_over_its_rate_limit_is_resource_exhausted(self, tiny_edge):
         refused = None
         for i in range(BATCH_BURST + 1):  # earlier tests may have spent some of the bucket
             try:
@@ -390,12 +397,32 @@ class TestTinyStack:
         i, code, details = refused
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
         assert not tiny_edge.queue_service_saw(demo_scoped("batch", f"edge-rl-{i}"))
-        # Buckets are per tier: critical is unaffected.
-        with tiny_edge.client("critical") as client:
-            assert client.complete(ids(20, seed=9), timeout=120).tier == "critical"
         # JSON clients get HTTP 429 for the same refusal.
         status, _ = post_json(tiny_edge.port, DEMO_KEYS["batch"], {"text": "hi"})
         assert status == 429
+        # Buckets are per key. Another batch key, added to the keys file while everything
+        # runs, is served: the gateway reloads the file, and Envoy gives the new label a
+        # bucket of its own on its first request, without a restart.
+        other = "tf-test-batch-two-0123456789abcdef"
+        with tiny_edge.keys.open("a") as keys:
+            keys.write(f'\n[keys.second-batch]\nsha256 = "{hash_key(other)}"\ntier = "batch"\n')
+        assert served_once_known(tiny_edge.target, other).tier == "batch"
+        code, _ = status_of(tiny_edge.target, [("x-api-key", DEMO_KEYS["batch"])])
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED  # the first key's bucket still empty
+
+
+def served_once_known(target: str, key: str, wait_s: float = 30.0):
+    """The completion of a request with ``key``, sent again while the gateway does not know
+    the key yet (a refusal for an unknown key spends no rate-limit token)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with TierflowClient(target, api_key=key) as client:
+                return client.complete(ids(20, seed=11), timeout=120)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAUTHENTICATED or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
 
 
 def post_json(port: int, key: str | None, body: dict) -> tuple[int, bytes]:

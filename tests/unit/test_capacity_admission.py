@@ -3,6 +3,8 @@ between instances (``core.capacity_board``) and the scheduler's committed work, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from queue_service.core.capacity_board import (
@@ -19,7 +21,7 @@ from queue_service.scheduler import (
     Scheduler,
     WorkerJoined,
 )
-from queue_service.scheduler.capacity import TierLoad, judge, predict_prefill_s
+from queue_service.scheduler.capacity import KeyLoad, Pending, TierLoad, judge, predict_prefill_s
 from tierflow.tiers import TierPolicy, TierTable, loads_tiers
 
 # 1 ms a prompt token, nothing else: a 100-token prompt prefills in 0.1 s.
@@ -65,8 +67,9 @@ def test_a_prompt_whose_own_prefill_exceeds_the_slo_is_refused_on_an_idle_tier()
 
 
 def test_requests_admitted_but_not_yet_counted_by_any_load_count_too():
-    assert judge(CRITICAL, [load(0.0)], 100, pending_prompts=[100]).admit
-    assert not judge(CRITICAL, [load(0.0)], 100, pending_prompts=[100, 100]).admit
+    one = Pending("", 1.0, 100)
+    assert judge(CRITICAL, [load(0.0)], 100, [one]).admit
+    assert not judge(CRITICAL, [load(0.0)], 100, [one, one]).admit
 
 
 def test_the_loads_of_several_owners_add_up():
@@ -81,6 +84,37 @@ def test_no_rule_without_an_overflow_setting_a_worker_or_a_measured_predictor():
     assert judge(CRITICAL, [], 100) is None
     assert judge(CRITICAL, [load(99.0, workers=0)], 100) is None
     assert judge(CRITICAL, [load(99.0, calibrated=False)], 100) is None
+
+
+def keyed(**committed: float) -> TierLoad:
+    """A critical load split between keys of weight 1 (committed seconds per key)."""
+    keys = tuple(KeyLoad(k, 1.0, c) for k, c in committed.items())
+    return TierLoad("critical", 1, sum(committed.values()), 0.0, 0.0, PER_TOKEN, True, keys)
+
+
+def test_a_key_within_its_share_is_admitted_ahead_of_another_keys_flood():
+    # The flood holds 0.25 s of the 0.3 s tier; one key alone would refuse the newcomer.
+    assert not judge(CRITICAL, [load(0.25)], 100).admit
+    # In fair order it waits for as much of the flood as its own work (0.1 s), then runs 0.1 s.
+    assert judge(CRITICAL, [keyed(flood=0.25, calm=0.0)], 100, key_id="calm").admit
+
+
+def test_a_key_over_its_share_leaves_the_other_active_keys_share_free():
+    # Capacity 0.3 s of work, 0.15 s a key. The flood (0.1 s, + 0.04 s own) is within its share.
+    assert judge(CRITICAL, [keyed(flood=0.1, calm=0.0)], 40, key_id="flood").admit
+    # Over its share (0.14 + 0.04 > 0.15): the calm key's unused 0.15 s is kept for it.
+    assert not judge(CRITICAL, [keyed(flood=0.14, calm=0.0)], 40, key_id="flood").admit
+    # With the calm key inactive (gone from the load) the flood may use the whole tier.
+    assert judge(CRITICAL, [keyed(flood=0.14)], 40, key_id="flood").admit
+
+
+def test_weights_set_the_shares():
+    heavy = dataclasses.replace(
+        keyed(flood=0.14, calm=0.0),
+        keys=(KeyLoad("flood", 3.0, 0.14), KeyLoad("calm", 1.0, 0.0)),
+    )
+    # 3:1, the flood's share is 0.225 s: 0.18 fits, and the calm key's 0.075 s is kept.
+    assert judge(CRITICAL, [heavy], 40, key_id="flood", key_weight=3.0).admit
 
 
 def test_the_prediction_is_the_predictors_model():
@@ -142,10 +176,10 @@ def test_own_admissions_count_until_a_load_counts_them():
     board = board_with(clock, owner_load(clock, 0.0))
     board.admitted("critical", 1_000_000, 100)  # stamped at the clock's now, in ms
     board.admitted("critical", 1_000_001, 100)
-    assert board.pending("critical") == [100, 100]
+    assert [p.prompt_tokens for p in board.pending("critical")] == [100, 100]
     assert board.place("critical", 100).served_tier == "standard"  # 0.2 s pending + 0.1 s
     board.update(owner_load(clock, 0.0, counted_ms=1_000_000))  # the owner counted the first
-    assert board.pending("critical") == [100]
+    assert [p.prompt_tokens for p in board.pending("critical")] == [100]
     assert board.place("critical", 100).served_tier == "critical"
 
 
@@ -176,7 +210,10 @@ def test_an_older_load_of_the_same_owner_does_not_replace_a_newer_one():
 
 
 def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
-    published = PublishedLoad("owner", 1234.5, load(0.7, workers=3, margin=0.2), {"edge-a": 7})
+    keyed = dataclasses.replace(
+        load(0.7, workers=3, margin=0.2), keys=(KeyLoad("acme", 2.0, 0.5), KeyLoad("zed", 1.0, 0.2))
+    )
+    published = PublishedLoad("owner", 1234.5, keyed, {"edge-a": 7})
     assert published_load(load_record(published)) == published
     broken = load_record(published)
     del broken.coefficients[:]

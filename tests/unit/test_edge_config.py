@@ -142,6 +142,12 @@ def test_every_tier_has_a_route_with_its_own_limits_and_the_canary_is_off():
         limit = route["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
         assert limit["rate_limited_as_resource_exhausted"] is True
         assert limit["filter_enforced"]["default_value"]["numerator"] == 100
+        # A bucket per key label that the gateway sets, the tier's never spent besides.
+        (action,) = limit["rate_limits"][0]["actions"]
+        assert action["request_headers"]["header_name"] == "x-tierflow-key-id"
+        (per_key,) = limit["descriptors"]
+        assert per_key["entries"] == [{"key": action["request_headers"]["descriptor_key"]}]
+        assert limit["always_consume_default_token_bucket"] is False
         assert route["route"]["max_stream_duration"]["grpc_timeout_header_max"]
         split = route["route"]["weighted_clusters"]
         assert split["runtime_key_prefix"] == "tierflow.canary"
@@ -174,8 +180,8 @@ def test_openai_routes_have_a_tier_each_and_errors_in_openai_shape():
         # The same limits and idle timeout as the tier's gRPC route.
         limits = "typed_per_filter_config"
         assert (
-            route[limits]["envoy.filters.http.local_ratelimit"]["token_bucket"]
-            == routes[tier][limits]["envoy.filters.http.local_ratelimit"]["token_bucket"]
+            route[limits]["envoy.filters.http.local_ratelimit"]["descriptors"]
+            == routes[tier][limits]["envoy.filters.http.local_ratelimit"]["descriptors"]
         )
         assert route["route"]["idle_timeout"] == routes[tier]["route"]["idle_timeout"]
     assert routes["openai-no-tier"]["direct_response"]["status"] == 403
@@ -235,17 +241,18 @@ def test_render_canary_and_rate_limits(descriptor):
             "queue_service": 90,
             "queue_service_canary": 10,
         }
-    bucket = routes["batch"]["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
-    assert bucket["token_bucket"] == {
+    limit = routes["batch"]["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
+    (per_key,) = limit["descriptors"]
+    assert per_key["token_bucket"] == {
         "max_tokens": 2,
         "tokens_per_fill": 1,
         "fill_interval": "1000.000s",
     }
     critical = routes["critical"]["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
-    assert critical["token_bucket"]["max_tokens"] == 100  # as shipped
+    assert critical["descriptors"][0]["token_bucket"]["max_tokens"] == 40  # as shipped
     # A tier's limit applies to its OpenAI route too (a bucket of its own).
     openai = routes["openai-batch"]["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
-    assert openai["token_bucket"] == bucket["token_bucket"]
+    assert openai["descriptors"] == limit["descriptors"]
 
 
 def test_token_bucket_and_bad_arguments(descriptor):

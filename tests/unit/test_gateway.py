@@ -73,6 +73,11 @@ def test_lookup():
     assert table.lookup(KEY_A).fingerprint == hash_key(KEY_A)[:8]
 
 
+def test_a_key_has_weight_1_unless_the_file_gives_its_share():
+    table = loads_keys(entry("a", KEY_A, "critical") + "weight = 2.5\n" + entry("b", KEY_B, "batch"), TIERS)
+    assert table.lookup(KEY_A).weight == 2.5 and table.lookup(KEY_B).weight == 1.0
+
+
 def test_upper_case_hash_is_accepted():
     text = f'[keys.a]\nsha256 = "{hash_key(KEY_A).upper()}"\ntier = "batch"\n'
     assert loads_keys(text, TIERS).lookup(KEY_A).tier == "batch"
@@ -87,6 +92,8 @@ def test_upper_case_hash_is_accepted():
         ('[keys.a]\nsha256 = "abc"\ntier = "batch"\n', "sha256 must be 64 hex"),
         (f'[keys.a]\nsha256 = "{hash_key(KEY_A)}"\n', "missing field(s) ['tier']"),
         (entry("a", KEY_A, "batch") + 'owner = "x"\n', "unknown field(s) ['owner']"),
+        (entry("a", KEY_A, "batch") + "weight = 0\n", "weight must be a number in (0, 1000]"),
+        (entry("a", KEY_A, "batch") + 'weight = "2"\n', "weight must be a number in (0, 1000]"),
         ("[keys.a]\nsha256 = ", "invalid TOML"),
         ("", "no [keys.<name>] tables"),
         (entry("a", KEY_A, "batch").replace("[keys.", "[key."), "unknown top-level key(s)"),
@@ -233,10 +240,11 @@ def test_check_allows_a_known_key_sets_the_tier_and_strips_the_key(tmp_path):
         assert reply.status.code == grpc.StatusCode.OK.value[0]
         assert reply.WhichOneof("http_response") == "ok_response"
         # SET (overwrite), so a client's own x-tierflow-tier never survives; the key's label
-        # (never the key) for the request log.
+        # (never the key) for the request log; its share of the tier (1 unless the file says).
         assert headers_of(reply.ok_response.headers) == {
             "x-tierflow-tier": (tier, overwrite),
             "x-tierflow-key-id": (label, overwrite),
+            "x-tierflow-key-weight": ("1", overwrite),
         }
         assert list(reply.ok_response.headers_to_remove) == ["x-api-key", "authorization"]
     allowed = [e for e in logs if e["event"] == "allowed"]

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id", "requested_tier")
+    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id", "requested_tier", "key_weight")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class QueuedRequest(_message.Message):
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
+    KEY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,7 +32,8 @@ class QueuedRequest(_message.Message):
     reply_to: str
     key_id: str
     requested_tier: str
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ..., requested_tier: _Optional[str] = ...) -> None: ...
+    key_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ..., requested_tier: _Optional[str] = ..., key_weight: _Optional[float] = ...) -> None: ...
 
 class ReplyRecord(_message.Message):
     __slots__ = ("request_id", "event", "error")
@@ -92,7 +94,7 @@ class FinishedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., tbt_p99_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., requested_tier: _Optional[str] = ...) -> None: ...
 
 class TierCapacity(_message.Message):
-    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms")
+    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms", "keys")
     class CountedThroughUnixMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,7 @@ class TierCapacity(_message.Message):
     COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     COUNTED_THROUGH_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     tier: str
     instance_id: str
     as_of_unix_ms: int
@@ -120,4 +123,15 @@ class TierCapacity(_message.Message):
     coefficients: _containers.RepeatedScalarFieldContainer[float]
     calibrated: bool
     counted_through_unix_ms: _containers.ScalarMap[str, int]
-    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    keys: _containers.RepeatedCompositeFieldContainer[KeyCapacity]
+    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[_Union[KeyCapacity, _Mapping]]] = ...) -> None: ...
+
+class KeyCapacity(_message.Message):
+    __slots__ = ("key_id", "weight", "committed_s")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_S_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    weight: float
+    committed_s: float
+    def __init__(self, key_id: _Optional[str] = ..., weight: _Optional[float] = ..., committed_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,110 @@
+"""Weighted fair order between the API keys of one tier.
+
+Inside a tier, the policy's order (deadline first for flowprefill) would serve a key that
+floods the tier before a key that sends one request now and then: the flood's requests arrived
+first, so their deadlines come first. Fair order instead gives each key of a tier a share of
+the tier's turn in proportion to its weight (``weight`` in ``config/keys.toml``, carried by
+every request), by start-time fair queueing over predicted prefill seconds. At its arrival a
+request of key k gets
+
+    start tag  S = max(V, F_k)          finish tag  F_k = S + predicted prefill / weight_k
+
+where ``F_k`` is the finish tag of the key's previous request and ``V``, the tier's virtual
+time, is the smallest start tag still waiting in the tier (the highest finish tag issued, when
+none waits). A key that floods runs its tags far ahead of ``V``; a key that sends within its
+share starts at ``V``, at the head of the tier. A key gets no credit for the time it was idle.
+
+The tier's requests then take the tier's places in the policy's ranking in start-tag order:
+
+* a key's own requests keep the policy's order among themselves (deadlines within one key: the
+  key's tags are dealt to its requests in that order);
+* the places the tier holds among the other tiers do not move, so tier guards and preemption
+  rules see the same tier pattern;
+* with one key in a tier (every request of the demo, of the benchmarks without keys) the order
+  is exactly the policy's.
+
+What a key may hold of a tier is bounded at admission (``capacity.judge``), which keeps each
+active key's share free for it; ``KeyBook`` also says which keys are active.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from queue_service.scheduler.request import Request
+from tierflow.recent import RecentMap
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    weight: float
+    last_arrival_s: float
+    finish_tag: float
+
+
+class KeyBook:
+    """Per (tier, key): its weight, its last arrival and its finish tag; at most ``capacity``
+    keys remembered (the least recently seen forgotten first)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._keys: RecentMap[tuple[str, str], KeyEntry] = RecentMap(capacity)
+        self._top_tag: dict[str, float] = defaultdict(float)  # tier -> highest finish tag
+
+    def arrive(
+        self, req: Request, predicted_s: float, waiting: Iterable[Request]
+    ) -> float:
+        """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
+        waiting requests (their tags give the tier's virtual time)."""
+        tier = req.tier.name
+        virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
+        before = self._keys.get((tier, req.key_id))
+        start = max(virtual, before.finish_tag if before else 0.0)
+        finish = start + predicted_s / req.key_weight
+        self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish)
+        self._top_tag[tier] = max(self._top_tag[tier], finish)
+        return start
+
+    def active(self, tier: str, since_s: float) -> Iterator[tuple[str, float]]:
+        """(key, weight) of the tier's keys that sent a request at ``since_s`` or later."""
+        for (key_tier, key_id), entry in self._keys.items():
+            if key_tier == tier and entry.last_arrival_s >= since_s:
+                yield key_id, entry.weight
+
+
+def fair_order(ranked: Sequence[Request]) -> list[Request]:
+    """``ranked`` (the policy's order) with each tier's requests re-dealt over the tier's own
+    places in start-tag order between keys."""
+    by_tier: dict[str, list[Request]] = defaultdict(list)
+    for req in ranked:
+        by_tier[req.tier.name].append(req)
+    dealt = {
+        tier: _by_start_tag(requests)
+        for tier, requests in by_tier.items()
+        if len({r.key_id for r in requests}) > 1
+    }
+    if not dealt:
+        return list(ranked)
+    cursor: dict[str, int] = defaultdict(int)
+    order = []
+    for req in ranked:
+        tier = req.tier.name
+        if tier in dealt:
+            req = dealt[tier][cursor[tier]]
+            cursor[tier] += 1
+        order.append(req)
+    return order
+
+
+def _by_start_tag(requests: Sequence[Request]) -> list[Request]:
+    """One tier's requests by start tag, each key's tags dealt to its requests in their order
+    in ``requests``; ties by place in ``requests``."""
+    tags: dict[str, list[float]] = defaultdict(list)
+    for req in requests:
+        tags[req.key_id].append(req.fair_tag)
+    for key_tags in tags.values():
+        key_tags.sort(reverse=True)  # popped smallest first
+    tagged = [(tags[req.key_id].pop(), place, req) for place, req in enumerate(requests)]
+    tagged.sort(key=lambda t: (t[0], t[1]))
+    return [req for _, _, req in tagged]

@@ -1,0 +1,119 @@
+"""Weighted fair order between the keys of one tier (``scheduler.fairness``), alone and inside
+the scheduler on a fake clock; and what the scheduler publishes per key for admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from queue_service.scheduler import RequestArrived, Scheduler, make_policy
+from queue_service.scheduler.fairness import KeyBook, fair_order
+from queue_service.scheduler.request import Request
+from tests.tiers import UNIT_TIERS
+from tests.unit.test_scheduler import drain_order, make
+
+TIERS = UNIT_TIERS
+
+
+def tagged(*requests: tuple[str, str, str]) -> list[Request]:
+    """Requests (id, tier, key) of 0.1 s each, in this order, tagged by a KeyBook as they
+    arrive (all at once, nothing served yet)."""
+    book, made = KeyBook(100), []
+    for rid, tier, key in requests:
+        weight = 2.0 if key == "heavy" else 1.0
+        req = Request(rid, TIERS[tier], 0.0, 100, key_id=key, key_weight=weight)
+        req.fair_tag = book.arrive(req, 0.1, [r for r in made if r.tier is req.tier])
+        made.append(req)
+    return made
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def test_one_key_keeps_the_policys_order_exactly():
+    ranked = tagged(*((f"c{i}", "critical", "acme") for i in range(5)))[::-1]
+    assert fair_order(ranked) == ranked
+
+
+def test_a_key_that_arrives_behind_a_flood_starts_at_the_head_of_the_tier():
+    ranked = tagged(*((f"f{i}", "critical", "flood") for i in range(4)), ("calm", "critical", "calm"))
+    # Its start tag ties with the flood's first; the earlier place wins the tie.
+    assert ids(fair_order(ranked)) == ["f0", "calm", "f1", "f2", "f3"]
+
+
+def test_a_key_twice_the_weight_gets_twice_the_work():
+    ranked = tagged(*((f"h{i}", "critical", "heavy") for i in range(4)),
+                    *((f"l{i}", "critical", "light") for i in range(2)))  # fmt: skip
+    # Start tags: heavy 0, .05, .1, .15; light 0, .1.
+    assert ids(fair_order(ranked)) == ["h0", "l0", "h1", "h2", "l1", "h3"]
+
+
+def test_a_tier_keeps_its_places_among_the_other_tiers():
+    made = tagged(
+        ("f0", "critical", "flood"),
+        ("f1", "critical", "flood"),
+        ("f2", "critical", "flood"),
+        ("s0", "standard", "x"),
+        ("s1", "standard", "y"),
+        ("calm", "critical", "calm"),
+    )
+    f0, f1, f2, s0, s1, calm = made
+    ranked = [f0, s0, f1, f2, s1, calm]
+    order = fair_order(ranked)
+    assert [r.tier.name for r in order] == [r.tier.name for r in ranked]
+    assert ids(order) == ["f0", "s0", "calm", "f1", "s1", "f2"]
+
+
+def test_a_keys_own_requests_keep_the_policys_order_among_themselves():
+    a1, b1, a2 = tagged(("a1", "critical", "a"), ("b1", "critical", "b"), ("a2", "critical", "a"))
+    order = ids(fair_order([a2, b1, a1]))  # the policy put a2 first (late work re-deadlined)
+    assert order.index("a2") < order.index("a1")
+
+
+def test_the_scheduler_serves_a_calm_key_before_the_backlog_of_a_flood():
+    sched = make("flowprefill", workers=0)
+    for i in range(6):
+        sched.handle(RequestArrived(f"f{i}", "critical", 30, key_id="flood"), 0.0)
+    sched.handle(RequestArrived("calm", "critical", 30, key_id="calm"), 0.01)
+    # Deadline order alone would serve it last, behind 0.18 s of the flood.
+    assert drain_order(sched, 0.02).index("calm") <= 1
+
+
+def test_a_calm_request_longer_than_the_floods_is_not_starved():
+    sched = make("flowprefill", workers=0)
+    for i in range(8):
+        sched.handle(RequestArrived(f"f{i}", "critical", 20, key_id="flood"), 0.0)
+    sched.handle(RequestArrived("calm", "critical", 100, key_id="calm"), 0.01)
+    for i in range(8, 12):  # the flood goes on
+        sched.handle(RequestArrived(f"f{i}", "critical", 20, key_id="flood"), 0.015)
+    assert drain_order(sched, 0.02).index("calm") <= 1
+
+
+def test_without_keys_the_order_is_deadline_first():
+    sched = make("flowprefill", workers=0)
+    for i in range(4):
+        sched.handle(RequestArrived(f"c{i}", "critical", 30), i * 0.001)
+    assert drain_order(sched, 0.01) == ["c0", "c1", "c2", "c3"]
+
+
+def test_the_scheduler_publishes_each_active_keys_committed_work():
+    sched = make("flowprefill", workers=0, key_active_s=5.0)
+    sched.handle(RequestArrived("f0", "critical", 100, key_id="flood", key_weight=2.0), 0.0)
+    sched.handle(RequestArrived("f1", "critical", 200, key_id="flood", key_weight=2.0), 0.0)
+    sched.handle(RequestArrived("c0", "critical", 100, key_id="calm"), 0.0)
+    drain_order(sched, 0.0)  # all three done: nothing committed, both keys still active
+    load = sched.tier_load("critical", 5.0)
+    assert {(k.key_id, k.weight, k.committed_s) for k in load.keys} == {
+        ("calm", 1.0, 0.0),
+        ("flood", 2.0, 0.0),
+    }
+    sched.handle(RequestArrived("f2", "critical", 300, key_id="flood", key_weight=2.0), 6.0)
+    load = sched.tier_load("critical", 6.0)  # calm was last seen 6 s ago: no longer active
+    assert [(k.key_id, k.committed_s) for k in load.keys] == [("flood", pytest.approx(0.3))]
+    assert load.committed_s == pytest.approx(0.3)
+
+
+def test_a_request_with_a_weight_that_is_not_positive_is_rejected():
+    sched = Scheduler(make_policy("flowprefill"), TIERS)
+    commands = sched.handle(RequestArrived("r", "critical", 10, key_weight=0.0), 0.0)
+    assert sched.state_of("r").value == "rejected", commands
