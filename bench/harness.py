@@ -105,6 +105,8 @@ class RunResult:
     # The share of the machine's CPU time its hypervisor gave to others during the run (steal):
     # on a shared virtual machine it slows every policy's engine, unevenly over time.
     cpu_steal: float = 0.0
+    # Requests that never finished: the run stopped after idling with them (``stop_when_idle``).
+    stuck: list[dict] = field(default_factory=list)
 
 
 class InProcessWorker:
@@ -368,6 +370,15 @@ class _Run:
         self.result.slotted_steps += step.slotted
         self.result.decode_step_s.append(step.seconds)
 
+    def stuck(self) -> list[dict]:
+        """The requests still unfinished, with the scheduler's view of each."""
+        scheduler = self.dispatcher.scheduler
+        return [
+            {"request_id": rid, "state": str(getattr(scheduler.state_of(rid), "value", None))}
+            for rid, r in self.records.items()
+            if r.rejected is None and r.done_at is None and r.arrived_at
+        ]
+
     def finish(self) -> RunResult:
         for runner in self.runners.values():
             runner.stop()
@@ -390,12 +401,19 @@ def run_policy(
     max_idle_s: float = 600.0,
     event_log: EventLog | None = None,
     admission: bool = False,
+    stop_when_idle: bool = False,
 ) -> RunResult:
     """``event_log``: where to write the run's timeline (``bench.event_log``), if anywhere.
-    ``admission``: apply the tiers' overflow rules at arrival, as the queue service does."""
+    ``admission``: apply the tiers' overflow rules at arrival, as the queue service does.
+    Nothing happening for ``max_idle_s`` with requests unfinished raises TimeoutError, or, with
+    ``stop_when_idle``, ends the run with those requests in ``RunResult.stuck`` (lost)."""
     run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log, admission)
     try:
         run.loop(max_idle_s)
+    except TimeoutError:
+        if not stop_when_idle:
+            raise
+        run.result.stuck = run.stuck()
     finally:
         result = run.finish()
     return result

@@ -222,6 +222,32 @@ def test_a_preempt_that_misses_the_last_boundary_pauses_the_decode_and_is_acknow
     assert collect_tokens(events)["m"] == reference(model, ids, 8)[0]
 
 
+def test_a_late_preempt_of_one_pack_member_pauses_that_member_alone(tiny_llama):
+    """A Preempt that misses a pack's last boundary pauses only the member it named. The
+    scheduler may already count another member as decoding (its first token came first); were
+    that one paused too, its acknowledgement would be ignored and the request never finish."""
+    model = tiny_llama.model
+    stream = Stream()
+    engine = BatchEngine(model, EngineConfig(chunk_size=64, check="chunk"), BatchConfig(4, 4, 160))
+    runner = stream.runner = BatchRunner(engine, stream).start()
+    ids = {"k0": prompt(20, 500, seed=31), "k1": prompt(27, 500, seed=32)}
+    trigger = PreemptInside(model, runner, "k1", after=2)
+    try:
+        runner.assign_packed([greedy(name, p, 6) for name, p in ids.items()], [0.5, 0.5])
+        acked, before = stream.until(Preempted, "k1")
+        trigger.remove()
+        done, during = stream.until(Finished, "k0")  # k0 decodes on to its end
+        runner.resume("k1")
+        events = before + during + drain(stream, ["k1"])
+    finally:
+        trigger.remove()
+        runner.stop()
+    assert not any(isinstance(e, Preempted) and e.request_id == "k0" for e in events)
+    tokens = collect_tokens(events)
+    for name in ids:
+        assert tokens[name] == reference(model, ids[name], 6)[0], name
+
+
 def test_bad_requests_fail_clearly_and_the_runner_keeps_serving(tiny_llama):
     model = tiny_llama.model
     stream = Stream()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from queue_service.scheduler import RequestArrived, Scheduler, make_policy
+from queue_service.scheduler import Preempt, RequestArrived, Scheduler, make_policy
 from queue_service.scheduler.fairness import KeyBook, fair_order
 from queue_service.scheduler.request import Request
 from tests.tiers import UNIT_TIERS
@@ -117,3 +117,20 @@ def test_a_request_with_a_weight_that_is_not_positive_is_rejected():
     sched = Scheduler(make_policy("flowprefill"), TIERS)
     commands = sched.handle(RequestArrived("r", "critical", 10, key_weight=0.0), 0.0)
     assert sched.state_of("r").value == "rejected", commands
+
+
+def test_a_key_never_preempts_another_key_of_its_tier():
+    # The calm key's request misses its deadline (0.2 s) behind the flood's running prefill
+    # (0.25 s). Deadline first, that prefill would be stopped for it; fair order would then rank the victim first again once
+    # the worker frees (a preempt/resume loop). Between keys of a tier, order decides.
+    sched = make("flowprefill", workers=1)
+    sched.handle(RequestArrived("f0", "critical", 250, key_id="flood", arrival_s=0.0), 0.0)
+    commands = sched.handle(
+        RequestArrived("calm", "critical", 100, key_id="calm", arrival_s=-0.8), 0.01
+    )
+    assert not [c for c in commands if isinstance(c, Preempt)]
+    # The same request of the flood's own key does preempt it.
+    commands = sched.handle(
+        RequestArrived("f1", "critical", 100, key_id="flood", arrival_s=-0.8), 0.02
+    )
+    assert [c.request_id for c in commands if isinstance(c, Preempt)] == ["f0"]
