@@ -107,7 +107,9 @@ def _poisson(
     return arrivals
 
 
-def scenario_setup(name: str, tiers: TierTable, workloads: dict) -> tuple[TierTable, Workload, bool]:
+def scenario_setup(
+    name: str, tiers: TierTable, workloads: dict
+) -> tuple[TierTable, Workload, bool]:
     """(tiers, workload, admission on) of a scenario."""
     critical = tiers["critical"]
     if name == "calm alone":
@@ -142,7 +144,9 @@ def summarise_flood(records: dict[str, RequestRecord], tiers: TierTable) -> dict
 
     every = list(records.values())
     # By id: "flood, off" sends both keys' requests as one key.
-    by_key = {k: [r for r in every if r.arrival.request_id.startswith(f"{k}-")] for k in ("calm", "flood")}
+    by_key = {
+        k: [r for r in every if r.arrival.request_id.startswith(f"{k}-")] for k in ("calm", "flood")
+    }
     critical = [r for r in every if r.arrival.tier == "critical"]
     admitted = [r for r in critical if r.served_tier == "critical"]
     downgraded = [r for r in critical if r.served_tier not in (None, "critical")]
@@ -205,7 +209,9 @@ def run(cfg: FloodConfig, bench: PolicyBenchConfig, console: Console) -> dict:
             scenario_tiers, workload, admission = scenario_setup(name, tiers, workloads)
             bar = progress.add_task(name, total=len(workload.arrivals))
             scheduler = Scheduler(
-                make_policy(POLICY), scenario_tiers, PrefillTimePredictor.from_json(predictor.to_json())
+                make_policy(POLICY),
+                scenario_tiers,
+                PrefillTimePredictor.from_json(predictor.to_json()),
             )
             result = run_policy(
                 scheduler,
@@ -284,14 +290,18 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("within the SLO of the tier served (95 % Wilson)")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
-    ax.set_title(f"{result['model']}: one key floods critical at {result['config']['flood_factor']:g}x")
+    ax.set_title(
+        f"{result['model']}: one key floods critical at {result['config']['flood_factor']:g}x"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(cfg: FloodConfig, bench: PolicyBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
+def main(
+    cfg: FloodConfig, bench: PolicyBenchConfig, json_path: Path | None, png_path: Path | None
+) -> dict:
     console = Console()
     result = run(cfg, bench, console)
     render(result, console)

@@ -175,9 +175,7 @@ class CapacityBoard:
         policy = self.tiers[tier]
         while True:
             loads = [p.load for p in self.loads(policy.name)]
-            verdict = judge(
-                policy, loads, prompt_tokens, self.pending(policy.name), key_id, weight
-            )
+            verdict = judge(policy, loads, prompt_tokens, self.pending(policy.name), key_id, weight)
             if verdict is None or verdict.admit:
                 return Placement(tier, policy.name, tuple(verdicts))
             verdicts.append(verdict)

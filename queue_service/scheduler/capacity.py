@@ -167,7 +167,5 @@ def _ahead_s(keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: fl
     ahead = mine.committed_s + sum(min(k.committed_s, k.weight * tag) for k in others)
     total_weight = sum(k.weight for k in keys.values())
     if mine.committed_s + own_s > capacity_s * mine.weight / total_weight:
-        ahead += sum(
-            max(0.0, capacity_s * k.weight / total_weight - k.committed_s) for k in others
-        )
+        ahead += sum(max(0.0, capacity_s * k.weight / total_weight - k.committed_s) for k in others)
     return ahead

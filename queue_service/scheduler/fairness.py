@@ -52,9 +52,7 @@ class KeyBook:
         self._keys: RecentMap[tuple[str, str], KeyEntry] = RecentMap(capacity)
         self._top_tag: dict[str, float] = defaultdict(float)  # tier -> highest finish tag
 
-    def arrive(
-        self, req: Request, predicted_s: float, waiting: Iterable[Request]
-    ) -> float:
+    def arrive(self, req: Request, predicted_s: float, waiting: Iterable[Request]) -> float:
         """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
         waiting requests (their tags give the tier's virtual time)."""
         tier = req.tier.name

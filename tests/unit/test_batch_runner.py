@@ -234,9 +234,9 @@ def test_a_late_preempt_of_one_pack_member_pauses_that_member_alone(tiny_llama):
     trigger = PreemptInside(model, runner, "k1", after=2)
     try:
         runner.assign_packed([greedy(name, p, 6) for name, p in ids.items()], [0.5, 0.5])
-        acked, before = stream.until(Preempted, "k1")
+        _, before = stream.until(Preempted, "k1")
         trigger.remove()
-        done, during = stream.until(Finished, "k0")  # k0 decodes on to its end
+        _, during = stream.until(Finished, "k0")  # k0 decodes on to its end
         runner.resume("k1")
         events = before + during + drain(stream, ["k1"])
     finally:

@@ -36,7 +36,9 @@ def test_one_key_keeps_the_policys_order_exactly():
 
 
 def test_a_key_that_arrives_behind_a_flood_starts_at_the_head_of_the_tier():
-    ranked = tagged(*((f"f{i}", "critical", "flood") for i in range(4)), ("calm", "critical", "calm"))
+    ranked = tagged(
+        *((f"f{i}", "critical", "flood") for i in range(4)), ("calm", "critical", "calm")
+    )
     # Its start tag ties with the flood's first; the earlier place wins the tie.
     assert ids(fair_order(ranked)) == ["f0", "calm", "f1", "f2", "f3"]
 
@@ -121,8 +123,9 @@ def test_a_request_with_a_weight_that_is_not_positive_is_rejected():
 
 def test_a_key_never_preempts_another_key_of_its_tier():
     # The calm key's request misses its deadline (0.2 s) behind the flood's running prefill
-    # (0.25 s). Deadline first, that prefill would be stopped for it; fair order would then rank the victim first again once
-    # the worker frees (a preempt/resume loop). Between keys of a tier, order decides.
+    # (0.25 s). Deadline first, that prefill would be stopped for it; fair order would then
+    # rank the victim first again once the worker frees (a preempt/resume loop). Between keys
+    # of a tier, order decides.
     sched = make("flowprefill", workers=1)
     sched.handle(RequestArrived("f0", "critical", 250, key_id="flood", arrival_s=0.0), 0.0)
     commands = sched.handle(

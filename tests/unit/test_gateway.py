@@ -74,7 +74,9 @@ def test_lookup():
 
 
 def test_a_key_has_weight_1_unless_the_file_gives_its_share():
-    table = loads_keys(entry("a", KEY_A, "critical") + "weight = 2.5\n" + entry("b", KEY_B, "batch"), TIERS)
+    table = loads_keys(
+        entry("a", KEY_A, "critical") + "weight = 2.5\n" + entry("b", KEY_B, "batch"), TIERS
+    )
     assert table.lookup(KEY_A).weight == 2.5 and table.lookup(KEY_B).weight == 1.0
 
 
