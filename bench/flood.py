@@ -38,6 +38,7 @@ from bench.metrics import wilson_interval
 from bench.policy_bench import (
     PolicyBenchConfig,
     _predictor,
+    fixed_prompt,
     make_engines,
     median_run_ms,
     run_order,
@@ -70,7 +71,7 @@ def critical_capacity_per_s(model, workers: int, mix: TierMix, runs: int = 9) ->
     tokens, and its intercept, which dominates at tens of tokens, is its least certain part."""
     mean_tokens = round((mix.min_tokens + mix.max_tokens) / 2)
     engine = PrefillEngine(model, EngineConfig(chunk_size=None, check="none"))
-    ids = tuple(3 + (7 * i) % (model.config.vocab_size - 3) for i in range(mean_tokens))
+    ids = fixed_prompt(model.config.vocab_size, mean_tokens)
     median_run_ms(engine, ids, runs=2)  # warm-up
     return workers * 1000.0 / median_run_ms(engine, ids, runs=runs)
 

@@ -168,9 +168,12 @@ def speed_probe_ms(model) -> float:
     256-token prompt, in ms. The same work every time, so policies' runs can be compared for
     the machine they got (reported next to each policy; nothing is scaled by it)."""
     engine = PrefillEngine(model, EngineConfig(chunk_size=None, check="none"))
-    return median_run_ms(
-        engine, tuple(3 + (7 * i) % (model.config.vocab_size - 3) for i in range(256))
-    )
+    return median_run_ms(engine, fixed_prompt(model.config.vocab_size, 256))
+
+
+def fixed_prompt(vocab_size: int, tokens: int) -> tuple[int, ...]:
+    """The same ``tokens`` prompt ids every time: a probe of speed, not of content."""
+    return tuple(3 + (7 * i) % (vocab_size - 3) for i in range(tokens))
 
 
 def run_all_policies(model, workload, tiers, predictor_json, cfg, progress, label) -> dict:
