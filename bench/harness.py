@@ -326,10 +326,9 @@ class _Run:
             return arrival.tier
         now = self.now()
         scheduler = self.dispatcher.scheduler
-        for tier in self.tiers:
-            if tier.overflow is not None:
-                load = scheduler.tier_load(tier.name, now)
-                self.admission.update(PublishedLoad("bench", now, load, {}))
+        for tier in self.tiers.judged():
+            load = scheduler.tier_load(tier, now)
+            self.admission.update(PublishedLoad("bench", now, load, {}))
         placement = self.admission.place(arrival.tier, arrival.prompt_tokens, arrival.key_id)
         if placement.served_tier is None:
             self.records[arrival.request_id].rejected = placement.refusal.reason()

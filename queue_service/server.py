@@ -99,7 +99,7 @@ class QueueService:
             decode_stream=lambda: info.tokenizer.decode_stream(skip_special_tokens=True).step,
         )
         self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
-        self.capacity_tiers = tuple(t.name for t in tiers if t.overflow is not None)
+        self.capacity_tiers = tiers.judged()
         self.board = CapacityBoard(config.instance_id, tiers, stale_after_s=config.capacity_stale_s)
         self.clients = ClientApi(
             self.core,
@@ -168,9 +168,10 @@ class QueueService:
             await asyncio.sleep(METRICS_SAMPLE_S)
 
     async def _publish_capacity(self) -> None:
-        """Every ``capacity_publish_s``, the load of each tier with an overflow rule that this
-        instance schedules (a partition of its topic is assigned here), for admission on
-        every instance (``queue_service/core/capacity_board.py``)."""
+        """Every ``capacity_publish_s``, the load of each tier that admission judges
+        (``TierTable.judged``) and this instance schedules (a partition of its topic is
+        assigned here), for admission on every instance
+        (``queue_service/core/capacity_board.py``)."""
         while True:
             for tier in self.capacity_tiers:
                 if tier in self.kafka.owned_tiers:

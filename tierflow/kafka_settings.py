@@ -22,7 +22,7 @@ a few hundred bytes that must reach the scheduler in milliseconds, while the vol
 Topic names: ``<prefix>priority_<tier>`` for the tier queues (docs/design.md, "Data flow"),
 ``<prefix>reply_<id>`` for the reply topic of one queue-service instance, ``<prefix>request_log``
 for the record of every finished request (kept ``request_log_retention_ms``, a week by
-default), ``<prefix>capacity`` for the committed work of tiers with an overflow rule (read by
+default), ``<prefix>capacity`` for the committed work of the tiers admission judges (read by
 admission on every instance; kept ``capacity_retention_ms``). A canary deployment has tier
 topics of its own (another prefix) but writes to the primary's request log (``request_log``),
 so that one topic holds both sides of a rollout.

@@ -123,6 +123,17 @@ class TierTable:
         index = self._ordered.index(self.get(name))
         return self._ordered[index + 1] if index + 1 < len(self._ordered) else None
 
+    def judged(self) -> tuple[str, ...]:
+        """The tiers that admission judges against their capacity: those with an ``overflow``
+        rule, and the tier a ``downgrade`` sends to (a downgraded request is served there only
+        if it can meet that tier's SLO too)."""
+        names = []
+        for tier in self._ordered:
+            above = self._ordered[: self._ordered.index(tier)]
+            if tier.overflow is not None or (above and above[-1].overflow == "downgrade"):
+                names.append(tier.name)
+        return tuple(names)
+
     def get(self, name: str) -> TierPolicy:
         """The tier called ``name``; UnknownTierError (a ValueError) when there is none."""
         try:

@@ -6,8 +6,8 @@
   always bring in one more, so a full queue of batch work never holds a critical request back.
 - reply thread: reads this instance's reply topic (events of its clients' requests that another
   instance runs) and hands them to the loop.
-- capacity thread: reads the capacity topic (every owner's load of the tiers with an overflow
-  rule, ``queue_service/core/capacity_board.py``) and hands each load to the loop.
+- capacity thread: reads the capacity topic (every owner's load of the tiers that admission
+  judges, ``queue_service/core/capacity_board.py``) and hands each load to the loop.
 - both threads outlive any error a Kafka call raises (``run_until_stopped``): logged, retried.
 - ``publish`` (an executor thread per call, it blocks until the broker's ack) and
   ``finished`` (any thread; the consumer thread commits) are called from the loop.

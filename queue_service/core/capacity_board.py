@@ -3,7 +3,8 @@
 How the view is shared between queue-service instances. The instance that owns a tier's Kafka
 partitions schedules that tier's requests, so only it knows their committed work
 (``Scheduler.tier_load``); admission runs on whichever instance the client reached. So every
-instance that owns partitions of a tier with an ``overflow`` rule publishes its load of that
+instance that owns partitions of a tier that admission judges (``TierTable.judged``: a tier
+with an ``overflow`` rule, or the one a ``downgrade`` sends to) publishes its load of that
 tier, with its instance id, its wall-clock time and, per admitting instance, the latest
 admission stamp it has counted, to the capacity topic (``<prefix>capacity``) every
 ``publish_every_s``; every instance reads that topic into its ``CapacityBoard``. A load older
@@ -162,26 +163,33 @@ class CapacityBoard:
         self, tier: str, stamp_ms: int, prompt_tokens: int, key_id: str = "", weight: float = 1.0
     ) -> None:
         """This instance queued a request of ``tier`` stamped ``stamp_ms`` (its arrival)."""
-        if self.tiers[tier].overflow is not None:
+        if tier in self.tiers.judged():
             self._ledger.append(_Admission(tier, stamp_ms, Pending(key_id, weight, prompt_tokens)))
 
     def place(
         self, tier: str, prompt_tokens: int, key_id: str = "", weight: float = 1.0
     ) -> Placement:
         """The tier a new request of ``tier`` from key ``key_id`` is served at: its own while
-        the rule admits it, else the next tier down (``downgrade``, whose own rule applies in
-        turn) or none (``reject``)."""
+        the rule admits it, else the next tier down (``downgrade``) if it fits there, judged
+        the same way behind the higher tiers' work, or none (``reject``, or no room below)."""
         verdicts: list[Verdict] = []
         policy = self.tiers[tier]
+        if policy.overflow is None:
+            return Placement(tier, tier, ())
+        above: list[TierLoad] = [
+            p.load for t in self.tiers if t.rank < policy.rank for p in self.loads(t.name)
+        ]
         while True:
             loads = [p.load for p in self.loads(policy.name)]
-            verdict = judge(policy, loads, prompt_tokens, self.pending(policy.name), key_id, weight)
+            pending = self.pending(policy.name)
+            verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above)
             if verdict is None or verdict.admit:
                 return Placement(tier, policy.name, tuple(verdicts))
             verdicts.append(verdict)
             below = self.tiers.below(policy.name)
-            if policy.overflow == "reject" or below is None:
+            if policy.overflow != "downgrade" or below is None:
                 return Placement(tier, None, tuple(verdicts))
+            above += loads
             policy = below
 
     def _forget_old(self) -> None:

@@ -23,15 +23,21 @@ Between the keys of a tier (``fairness``) the scheduler serves in weighted fair 
 work ahead of a newcomer of key k is not all the tier's committed work but its own key's
 ``c_k`` and, of every other key j, what fair order runs first: ``min(c_j, w_j / w_k * (c_k +
 own))``. Fair order also lets another key's later requests run before it, up to that key's
-share of the tier. So while key k is over its own share (``c_k + own > share_k``), admission
-keeps the unused share of every other active key free for it:
+share of the tier. So while key k is over its own share (``c_k + own > share_k``, with work of
+its own already committed), admission keeps the unused share of every other active key free
+for it:
 
     committed_s = c_k + sum_j min(c_j, w_j / w_k * (c_k + own))
-                      + (sum_j max(0, share_j - c_j)  if k is over its share)
+                      + (sum_j max(0, share_j - c_j)  if 0 < c_k and k is over its share)
     share_j     = W * (SLO - switch_s) / (1 + margin) * w_j / (sum of the active keys' w)
 
 A key that floods the tier fills at most what the others leave of it, and a key within its
 share is admitted ahead of the flood. With one key the formula is the one above.
+
+A request downgraded to the next tier is judged there too, with the higher tiers' committed
+work added to ``committed_s`` (it runs first, on the same workers): it is served at the lower
+tier only if it can meet that tier's SLO, else refused. So a downgrade never turns a flood of
+the top tier into an unbounded backlog of the next one.
 """
 
 from __future__ import annotations
@@ -99,13 +105,13 @@ def judge(
     pending: Sequence[Pending] = (),
     key_id: str = "",
     key_weight: float = 1.0,
+    above: Sequence[TierLoad] = (),
 ) -> Verdict | None:
     """Whether a request of ``prompt_tokens`` from key ``key_id`` is admitted at ``tier`` on
-    top of ``loads`` and of ``pending`` (requests admitted that no load counts yet).
-    None when the rule cannot be applied: the tier has none, no worker serves it, or no load
-    has a calibrated predictor (the request then stands at its tier)."""
-    if tier.overflow is None:
-        return None
+    top of ``loads`` and of ``pending`` (requests admitted that no load counts yet), behind
+    the committed work of the higher tiers (``above``: it runs first on the same workers).
+    None when the rule cannot be applied: no worker serves the tier, or no load has a
+    calibrated predictor (the request then stands at its tier)."""
     workers = sum(load.workers for load in loads)
     calibrated = [load for load in loads if load.calibrated and load.workers > 0]
     if workers == 0 or not calibrated:
@@ -122,6 +128,7 @@ def judge(
     keys[key_id] = KeyLoad(key_id, key_weight, keys[key_id].committed_s)
     capacity_s = workers * max(0.0, tier.ttft_slo_s - switch_s) / (1.0 + margin)
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
+    committed_s += sum(load.committed_s for load in above)
     ttft_s = switch_s + (1.0 + margin) * (committed_s / workers + own_s)
     return Verdict(tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s)
 
@@ -166,6 +173,6 @@ def _ahead_s(keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: fl
     tag = (mine.committed_s + own_s) / mine.weight
     ahead = mine.committed_s + sum(min(k.committed_s, k.weight * tag) for k in others)
     total_weight = sum(k.weight for k in keys.values())
-    if mine.committed_s + own_s > capacity_s * mine.weight / total_weight:
+    if mine.committed_s > 0 and mine.committed_s + own_s > capacity_s * mine.weight / total_weight:
         ahead += sum(max(0.0, capacity_s * k.weight / total_weight - k.committed_s) for k in others)
     return ahead

@@ -7,6 +7,8 @@ machine than one forward each. A pack is formed only when:
 
 - every member is a short, fresh prompt (``max_pack_tokens`` together, no state anywhere, no
   token produced yet: a dropped decode recomputes alone), and the worker has a KV slot for each;
+- every member is of the first member's tier. A pack is preempted as one (below), so a pack
+  that mixed tiers would let a higher tier's arrival stop the higher-tier members it carries;
 - members are taken in the policy's order (requests placed on other workers are skipped). A
   prefill that cannot be packed (a suspended one, a long prompt) is passed over only while the
   pack still lets it make its deadline when it starts after the pack; otherwise, and at a
@@ -23,7 +25,10 @@ densely under the mask, so a pack costs about what a prompt of its total length 
 
 A pack is one unit of work on its worker: its first member holds the worker's prefill
 (``WorkerSlot.active``), the others ride along (``WorkerSlot.riders``), a preemption stops and
-suspends all of it, a resume of any member resumes all of it.
+suspends all of it, a resume of any member resumes all of it. Only a higher tier preempts a
+pack (``planner._pick_victim``): its members' deadlines are as tight as any newcomer's of their
+tier, and stopping several of them for one would loop (preempt, re-pack with the newcomer,
+preempt again at the next arrival).
 """
 
 from __future__ import annotations
@@ -95,7 +100,11 @@ def choose_pack(
             continue  # starts elsewhere now (alone or in a pack): not in this worker's line
         if len(members) >= limits.max_size or free_slots < len(members) or req.prefilled:
             break
-        if not packable(req, limits) or tokens + req.prompt_tokens > limits.max_tokens:
+        if (
+            req.tier is not head.tier
+            or not packable(req, limits)
+            or tokens + req.prompt_tokens > limits.max_tokens
+        ):
             passed.append(req)  # next in this worker's line after the pack, if it can wait
             continue
         grown = now + cost.predict(tokens + req.prompt_tokens) * (1.0 + margin)

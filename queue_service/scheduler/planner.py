@@ -277,6 +277,8 @@ def _pick_victim(
             # preempting by deadline would let the victim rank first again once the worker
             # is free (a preempt/resume loop).
             continue
+        if len(running.pack) > 1 and req.tier.rank >= running.tier.rank:
+            continue  # a pack gives way to a higher tier only (``packing``)
         # Past the cap on suspended states (memory), the victim's state is dropped: it is
         # recomputed later, which beats a higher tier waiting behind it.
         drop = policy.drop_state

@@ -78,9 +78,7 @@ def test_the_loads_of_several_owners_add_up():
     assert not judge(CRITICAL, owners, 200).admit
 
 
-def test_no_rule_without_an_overflow_setting_a_worker_or_a_measured_predictor():
-    standard = TIERS["standard"]
-    assert judge(standard, [load(99.0, tier="standard")], 100) is None
+def test_no_rule_without_a_worker_or_a_measured_predictor():
     assert judge(CRITICAL, [], 100) is None
     assert judge(CRITICAL, [load(99.0, workers=0)], 100) is None
     assert judge(CRITICAL, [load(99.0, calibrated=False)], 100) is None
@@ -106,6 +104,18 @@ def test_a_key_over_its_share_leaves_the_other_active_keys_share_free():
     assert not judge(CRITICAL, [keyed(flood=0.14, calm=0.0)], 40, key_id="flood").admit
     # With the calm key inactive (gone from the load) the flood may use the whole tier.
     assert judge(CRITICAL, [keyed(flood=0.14)], 40, key_id="flood").admit
+
+
+def test_a_keys_first_request_is_never_over_its_share():
+    # With a 0.8 margin a key's share is 0.3 / 1.8 / 2 = 0.083 s, less than its 100 ms prompt.
+    # With nothing of its own committed it is not over its share: nothing is reserved for the
+    # idle other key, and 1.8 x 0.1 s = 0.18 s fits.
+    idle = dataclasses.replace(keyed(flood=0.0, calm=0.0), margin=0.8)
+    assert judge(CRITICAL, [idle], 100, key_id="calm").admit
+    # Its second request is over its share: the other key's 0.083 s is kept free too.
+    # 1.8 x (0.05 + 0.083 + 0.1) = 0.42 s.
+    busy = dataclasses.replace(keyed(flood=0.0, calm=0.05), margin=0.8)
+    assert not judge(CRITICAL, [busy], 100, key_id="calm").admit
 
 
 def test_weights_set_the_shares():
@@ -183,11 +193,53 @@ def test_own_admissions_count_until_a_load_counts_them():
     assert board.place("critical", 100).served_tier == "critical"
 
 
-def test_admissions_of_tiers_without_a_rule_are_not_kept():
+def test_a_tier_without_a_rule_is_admitted_whatever_its_load():
+    clock = Clock()
+    board = board_with(clock, PublishedLoad("owner", clock.now, load(99.0, tier="standard"), {}))
+    placement = board.place("standard", 100)
+    assert placement.served_tier == "standard" and placement.verdicts == ()
+
+
+def test_a_downgrade_is_served_below_only_if_it_meets_that_tiers_slo_behind_the_higher_tier():
+    clock = Clock()
+    board = board_with(clock, owner_load(clock, 0.25))
+    standard = PublishedLoad("owner", clock.now, load(2.6, tier="standard"), {})
+    board.update(standard)
+    # At standard: 0.25 s of critical work first, then 2.6 s, then its own 0.1 s: 2.95 s <= 3 s.
+    assert board.place("critical", 100).served_tier == "standard"
+    board.update(dataclasses.replace(standard, load=load(2.7, tier="standard")))
+    placement = board.place("critical", 100)  # 3.05 s: no room below either
+    assert placement.served_tier is None
+    assert [v.tier for v in placement.verdicts] == ["critical", "standard"]
+    assert placement.refusal.predicted_ttft_s == pytest.approx(3.05)
+    # The standard tier's own requests have no rule: they are not judged.
+    assert board.place("standard", 100).served_tier == "standard"
+
+
+def test_admission_judges_the_tiers_with_a_rule_and_the_tier_a_downgrade_sends_to():
+    assert TIERS.judged() == ("critical", "standard")
+    assert loads_tiers(SHIPPED_LIKE).judged() == ("critical",)
+
+
+SHIPPED_LIKE = """
+[tiers.critical]
+rank = 0
+ttft_slo_s = 0.3
+overflow = "reject"
+
+[tiers.standard]
+rank = 1
+ttft_slo_s = 3.0
+"""
+
+
+def test_admissions_of_tiers_admission_does_not_judge_are_not_kept():
     clock = Clock()
     board = board_with(clock)
-    board.admitted("standard", 1_000_000, 100)
-    assert board.pending("standard") == []
+    board.admitted("batch", 1_000_000, 100)
+    assert board.pending("batch") == []
+    board.admitted("standard", 1_000_000, 100)  # a downgrade's tier: judged, so kept
+    assert [p.prompt_tokens for p in board.pending("standard")] == [100]
 
 
 def test_a_stale_load_no_longer_counts_and_old_admissions_leave_the_ledger():

@@ -71,12 +71,12 @@ def test_a_pack_ends_before_a_member_whose_deadline_it_would_break():
     sched = batched()
     busy_with(sched)
     assert arrive(sched, "c", "critical", 100, 0.1) == []  # due at 1.1
-    assert arrive(sched, "s1", "standard", 200, 0.1) == []
-    assert arrive(sched, "s2", "standard", 200, 0.2) == []
-    assert arrive(sched, "s3", "standard", 100, 0.3) == []
-    # At 0.5, c + s1 + s2: 500 tokens, 0.5 s x 1.2 -> done at 1.1, c's deadline: packed.
-    # With s3, 1.22: c would miss a deadline it makes alone (0.62): the pack ends before s3.
-    assert first_token(sched, "long", 0.5) == [AssignPacked(("c", "s1", "s2"), "w0")]
+    assert arrive(sched, "c1", "critical", 200, 0.1) == []
+    assert arrive(sched, "c2", "critical", 200, 0.2) == []
+    assert arrive(sched, "c3", "critical", 100, 0.3) == []
+    # At 0.5, c + c1 + c2: 500 tokens, 0.5 s x 1.2 -> done at 1.1, c's deadline: packed.
+    # With c3, 1.22: c would miss a deadline it makes alone (0.62): the pack ends before c3.
+    assert first_token(sched, "long", 0.5) == [AssignPacked(("c", "c1", "c2"), "w0")]
 
 
 def test_a_prefill_that_cannot_be_packed_is_passed_over_only_while_it_makes_its_deadline():
@@ -104,21 +104,39 @@ def test_a_prefill_that_cannot_be_packed_is_passed_over_only_while_it_makes_its_
     assert first_token(small, "long", 0.4) == [AssignPacked(("x", "y"), "w0")]
 
 
-def test_short_prompts_pack_past_a_suspended_prefill_ranked_between_them():
-    """EDF ranks a suspended batch prefill before the batch prompts that arrived after it: the
-    fresh ones still pack, with the standard prompt placed first, as the suspended one can
-    wait for them and still make its deadline."""
+def test_a_pack_holds_one_tier_and_a_suspended_prefill_resumes_after_it():
+    """The standard prompts pack; the batch prompt ranked between them does not join (a pack
+    is preempted as one, so a mixed pack would let a critical arrival stop standard members
+    with it), and the suspended batch prefill resumes once the pack is done."""
     sched = batched()
     assert arrive(sched, "bg", "batch", 2000, 0.0) == [Assign("bg", "w0")]
     assert arrive(sched, "c", "critical", 500, 0.1) == [Preempt("bg", "w0", False)]
     assert step(sched, PreemptionAcked("bg", "w0", 300, False), 0.15) == [Assign("c", "w0")]
     assert arrive(sched, "s", "standard", 100, 0.2) == []
-    for i, rid in enumerate(("x", "y")):
-        assert arrive(sched, rid, "batch", 100, 0.3 + 0.01 * i) == []
-    assert first_token(sched, "c", 0.7, tokens=500) == [AssignPacked(("s", "x", "y"), "w0")]
+    assert arrive(sched, "x", "batch", 100, 0.3) == []
+    assert arrive(sched, "s2", "standard", 100, 0.31) == []
+    assert first_token(sched, "c", 0.7, tokens=500) == [AssignPacked(("s", "s2"), "w0")]
     assert sched.suspended()["w0"] == ("bg",)
+    assert sched.state_of("x") is RequestState.QUEUED
     # Once the pack is done the suspended prefill resumes where it stopped.
-    assert first_token(sched, "s", 1.0, pack_tokens=300, prefill_s=0.3) == [Resume("bg", "w0")]
+    assert first_token(sched, "s", 1.0, pack_tokens=200, prefill_s=0.2) == [Resume("bg", "w0")]
+
+
+def test_a_pack_gives_way_to_a_higher_tier_only():
+    """A late pack is not preempted for a request of its own tier, even one that ranks first
+    and misses its deadline behind it: stopping every member for one newcomer of their tier,
+    and packing it with them again, would loop at each arrival (a higher tier preempts a pack:
+    ``test_a_pack_is_preempted_and_resumed_as_one_unit``)."""
+    sched = batched()
+    busy_with(sched, tokens=1000)
+    for i, rid in enumerate(("a", "b")):
+        assert arrive(sched, rid, "critical", 250, 0.1 + 0.01 * i) == []
+    # Started at 1.0, the pack is late (a is due at 1.1): it ranks as due one SLO from now.
+    assert first_token(sched, "long", 1.0) == [AssignPacked(("a", "b"), "w0")]
+    assert arrive(sched, "c", "critical", 700, 1.05) == []  # due at 2.05
+    # At 1.06 c ranks first (2.05 < 2.06) and misses its deadline behind the pack: it waits.
+    assert arrive(sched, "x", "batch", 100, 1.06) == []
+    assert sched.state_of("a") is RequestState.RUNNING
 
 
 def test_no_pack_without_free_kv_slots_nor_on_a_single_slot_worker():
