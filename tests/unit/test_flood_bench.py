@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.flood import (
     SCENARIOS,
     FloodConfig,
@@ -92,7 +94,9 @@ def test_the_flood_command_runs_every_scenario_and_writes_json_and_png(tmp_path)
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert list(result["scenarios"]) == list(SCENARIOS)
-    assert result["critical_capacity_per_s"] > 0
+    probe = result["capacity_measurement"]
+    assert probe["probes"] == 24 and probe["probe_ttft_ms"] > 0 and probe["bare_prefill_ms"] > 0
+    assert result["critical_capacity_per_s"] == pytest.approx(1000 / probe["probe_ttft_ms"])
     for scenario in result["scenarios"].values():
         assert scenario["calm at critical"]["n"] == 10
         assert scenario["lost"] == 0
