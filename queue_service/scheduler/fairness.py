@@ -10,9 +10,11 @@ request of key k gets
     start tag  S = max(V, F_k)          finish tag  F_k = S + predicted prefill / weight_k
 
 where ``F_k`` is the finish tag of the key's previous request and ``V``, the tier's virtual
-time, is the smallest start tag still waiting in the tier (the highest finish tag issued, when
-none waits). A key that floods runs its tags far ahead of ``V``; a key that sends within its
-share starts at ``V``, at the head of the tier. A key gets no credit for the time it was idle.
+time, is the smallest start tag of the tier's requests still to prefill, running or waiting:
+as in start-time fair queueing, the start tag of the request in service (the highest finish
+tag issued, when none is left). A key that floods runs its tags far ahead of ``V``; a key that
+sends within its share starts at ``V``, so it runs next, before the flood's waiting requests
+(whose tags are past the one in service). A key gets no credit for the time it was idle.
 
 The tier's requests then take the tier's places in the policy's ranking in start-tag order:
 
@@ -54,7 +56,7 @@ class KeyBook:
 
     def arrive(self, req: Request, predicted_s: float, waiting: Iterable[Request]) -> float:
         """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
-        waiting requests (their tags give the tier's virtual time)."""
+        requests still to prefill, running or waiting (their tags give the virtual time)."""
         tier = req.tier.name
         virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
         before = self._keys.get((tier, req.key_id))

@@ -226,7 +226,7 @@ class Scheduler:
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
-            (r for r in self._requests.values() if r.tier is tier and r.waiting),
+            (r for r in self._requests.values() if r.tier is tier and not r.prefilled),
         )
         self._requests[rid] = req
         return self._schedule(now)

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from queue_service.scheduler import Preempt, RequestArrived, Scheduler, make_policy
+from queue_service.scheduler import (
+    Assign,
+    Preempt,
+    RequestArrived,
+    RequestDone,
+    Scheduler,
+    make_policy,
+)
 from queue_service.scheduler.fairness import KeyBook, fair_order
 from queue_service.scheduler.request import Request
 from tests.tiers import UNIT_TIERS
-from tests.unit.test_scheduler import drain_order, make
+from tests.unit.test_scheduler import drain_order, make, step
 
 TIERS = UNIT_TIERS
 
@@ -79,6 +86,20 @@ def test_the_scheduler_serves_a_calm_key_before_the_backlog_of_a_flood():
     sched.handle(RequestArrived("calm", "critical", 30, key_id="calm"), 0.01)
     # Deadline order alone would serve it last, behind 0.18 s of the flood.
     assert drain_order(sched, 0.02).index("calm") <= 1
+
+
+def test_a_calm_request_runs_next_after_the_floods_request_in_service():
+    """Start-time fair queueing: the virtual time is the start tag of the request in service,
+    so a calm key's request ties with it and goes before every waiting request of the flood
+    (had the virtual time been the first waiting tag, it would tie with f1 and lose)."""
+    sched = make("flowprefill")
+    assert step(sched, RequestArrived("f0", "critical", 30, key_id="flood"), 0.0) == [
+        Assign("f0", "w0")
+    ]
+    for i in range(1, 6):
+        assert step(sched, RequestArrived(f"f{i}", "critical", 30, key_id="flood"), 0.0) == []
+    assert step(sched, RequestArrived("calm", "critical", 30, key_id="calm"), 0.01) == []
+    assert step(sched, RequestDone("f0", "w0"), 0.03) == [Assign("calm", "w0")]
 
 
 def test_a_calm_request_longer_than_the_floods_is_not_starved():
