@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierflow.metrics import DEFAULT_DEPLOYMENT
+from tierflow.metrics import DEFAULT_DEPLOYMENT, METRICS_LOOPBACK
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,3 +20,5 @@ class GatewayConfig:
     grace_s: float = 5.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
+    # Where /metrics listens: loopback unless the deployment opens it (compose: its network).
+    metrics_host: str = METRICS_LOOPBACK

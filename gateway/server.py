@@ -26,7 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
 from tierflow.logging import configure_logging
-from tierflow.metrics import serve_metrics
+from tierflow.metrics import METRICS_LOOPBACK, serve_metrics
 from tierflow.tiers import load_tiers
 
 log = structlog.get_logger("gateway")
@@ -69,7 +69,9 @@ class Gateway:
             loop.add_signal_handler(sig, stopping.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await self.server.start()
-        endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
+        endpoint = serve_metrics(
+            self.metrics.registry, self.config.metrics_port, self.config.metrics_host
+        )
         for service in ("", AUTHZ_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -106,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--deployment", default=GatewayConfig.deployment, help="metrics label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
+    p.add_argument(
+        "--metrics-host", default=METRICS_LOOPBACK,
+        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     return GatewayConfig(
         listen=args.listen,
@@ -114,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         keys_check_interval_s=args.keys_check_interval,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 

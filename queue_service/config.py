@@ -14,7 +14,7 @@ from pathlib import Path
 from queue_service.scheduler import SchedulerConfig
 from tierflow.catalogue import DEFAULT_MODEL
 from tierflow.kafka_settings import KafkaSettings
-from tierflow.metrics import DEFAULT_DEPLOYMENT
+from tierflow.metrics import DEFAULT_DEPLOYMENT, METRICS_LOOPBACK
 
 
 @dataclass(frozen=True)
@@ -48,3 +48,5 @@ class QueueServiceConfig:
     capacity_stale_s: float = 3.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics and request-log records
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
+    # Where /metrics listens: loopback unless the deployment opens it (compose: its network).
+    metrics_host: str = METRICS_LOOPBACK

@@ -43,7 +43,7 @@ from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
-from tierflow.metrics import serve_metrics
+from tierflow.metrics import METRICS_LOOPBACK, serve_metrics
 from tierflow.tiers import load_tiers
 from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2, worker_pb2_grpc
 
@@ -212,7 +212,9 @@ class QueueService:
         watchdog = asyncio.create_task(self.workers.watch_heartbeats())
         sampler = asyncio.create_task(self._sample_metrics())
         publisher = asyncio.create_task(self._publish_capacity())
-        endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
+        endpoint = serve_metrics(
+            self.metrics.registry, self.config.metrics_port, self.config.metrics_host
+        )
         await self.health.set("tierflow.v1.WorkerControl", health_pb2.HealthCheckResponse.SERVING)
         readiness = asyncio.create_task(self._follow_readiness())
         log.info(
@@ -275,6 +277,10 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
+    p.add_argument(
+        "--metrics-host", default=METRICS_LOOPBACK,
+        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     overrides = {
         k: v
@@ -296,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         stream_heartbeat_s=args.stream_heartbeat,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         **extra,
     )
 

@@ -34,10 +34,15 @@ def latency_buckets(slos_s: Iterable[float] = ()) -> tuple[float, ...]:
     return tuple(sorted(bounds))
 
 
+METRICS_LOOPBACK = "127.0.0.1"  # /metrics listens here unless a deployment opens it
+
+
 class MetricsEndpoint:
     """A registry served over HTTP (``/metrics``) from a daemon thread."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+    def __init__(
+        self, registry: CollectorRegistry, port: int, host: str = METRICS_LOOPBACK
+    ) -> None:
         self.registry = registry
         self._server: WSGIServer
         self._server, self._thread = start_http_server(port, addr=host, registry=registry)
@@ -49,7 +54,7 @@ class MetricsEndpoint:
 
 
 def serve_metrics(
-    registry: CollectorRegistry, port: int | None, host: str = "0.0.0.0"
+    registry: CollectorRegistry, port: int | None, host: str = METRICS_LOOPBACK
 ) -> MetricsEndpoint | None:
     """Serve ``registry`` on ``port`` (0: any free port); None: no endpoint."""
     if port is None:

@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
     )
+    parser.add_argument(
+        "--metrics-host", default=defaults.metrics_host,
+        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
+    )  # fmt: skip
     return parser
 
 
@@ -136,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         reconnect_max_s=args.reconnect_max,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         kv_slots=args.kv_slots,
         max_batch_size=args.max_batch_size,
         slot_tokens=args.slot_tokens,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from tierflow.catalogue import DEFAULT_MODEL
-from tierflow.metrics import DEFAULT_DEPLOYMENT
+from tierflow.metrics import DEFAULT_DEPLOYMENT, METRICS_LOOPBACK
 
 CheckGranularity = Literal["block", "half", "layer", "chunk", "none"]
 CHECK_GRANULARITIES: tuple[CheckGranularity, ...] = get_args(CheckGranularity)
@@ -117,6 +117,8 @@ class WorkerConfig:
     reconnect_max_s: float = 5.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
+    # Where /metrics listens: loopback unless the deployment opens it (compose: its network).
+    metrics_host: str = METRICS_LOOPBACK
     # KV slots (worker.batch_engine): the worker prefills one request while the others
     # decode together. 1 (with a batch of 1): one request at a time, on the same engine.
     kv_slots: int = BatchConfig.pool_slots

@@ -106,7 +106,9 @@ class WorkerProcess:
             lambda: len(self._held),
             decoding=lambda: len(self.engine.rows),
         )
-        self.metrics_endpoint = serve_metrics(self.metrics.registry, self.config.metrics_port)
+        self.metrics_endpoint = serve_metrics(
+            self.metrics.registry, self.config.metrics_port, self.config.metrics_host
+        )
         self._thread.start()
         return self
 

@@ -8,8 +8,9 @@ client sent. Without the edge (tests, a trusted network) the service trusts that
 Request ids are scoped to the caller's key: the gateway sets ``x-tierflow-key-id`` (the key's
 label, never the key) and the service names a request ``<label>/<request_id>`` everywhere
 (Kafka, scheduler, workers, logs), so two keys that pick the same id hold two requests, and
-one key never sees, joins or cancels another's. Requests without a key id (no edge) keep their
-id as it is.
+one key never sees, joins or cancels another's. A client's id may not contain the separator
+``/``, and requests without a key id (no edge) have a scope of their own, ``_`` (no key label
+starts with it): so no id a client can send names another scope's request.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from tierflow.tiers import KEY_ID_HEADER, KEY_WEIGHT_HEADER, MAX_KEY_WEIGHT, TIE
 from tierflow.v1 import queue_pb2, serving_pb2
 
 MAX_REQUEST_ID_LEN = 128
+SCOPE_SEPARATOR = "/"
+UNSCOPED = "_"  # the scope of requests that came without a key id
 # The gateway's key labels (gateway/keys.py): never a "/", which separates scope and id.
 _KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -90,8 +93,23 @@ def key_weight_from_metadata(metadata: tuple[tuple[str, str | bytes], ...]) -> f
 
 
 def scoped_request_id(key_id: str, request_id: str) -> str:
-    """The service's name of a client's request: the id within its key's scope."""
-    return f"{key_id}/{request_id}" if key_id else request_id
+    """The service's name of a client's request: the id within its key's scope (``UNSCOPED``
+    without a key id). ``request_id`` is a client's id that ``check_request_id`` accepted."""
+    return f"{key_id or UNSCOPED}{SCOPE_SEPARATOR}{request_id}"
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's request id: printable, at most ``MAX_REQUEST_ID_LEN`` characters, and
+    without the scope separator (an id with one could name another scope's request)."""
+    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters",
+        )
+    if SCOPE_SEPARATOR in request_id:
+        raise AdmissionError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request_id must not contain {SCOPE_SEPARATOR!r}"
+        )
 
 
 def request_digest(record: queue_pb2.QueuedRequest) -> bytes:
@@ -169,10 +187,7 @@ def admit(
             invalid, f"timeout_ms {request.timeout_ms} is above {limits.max_timeout_ms}"
         )
     request_id = request.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
-        raise AdmissionError(
-            invalid, f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters"
-        )
+    check_request_id(request_id)
     return Admitted(
         request_id=request_id,
         tier=tier,

@@ -35,6 +35,7 @@ from queue_service.clients.admission import (
     AdmissionError,
     AdmissionLimits,
     admit,
+    check_request_id,
     key_id_from_metadata,
     key_weight_from_metadata,
     request_digest,
@@ -311,6 +312,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             key_id = key_id_from_metadata(context.invocation_metadata() or ())
+            check_request_id(request.request_id)
         except AdmissionError as exc:
             await context.abort(exc.code, exc.message)
         live = self.core.lookup(scoped_request_id(key_id, request.request_id))

@@ -186,6 +186,11 @@ CASES = [
         INVALID,
     ),
     Case(
+        "q: request_id with the scope separator (it could name another key's request)",
+        lambda s: to_queue(s, message(text="hi", request_id="demo-critical/x")),
+        INVALID,
+    ),
+    Case(
         "q: request_id with a newline",
         lambda s: to_queue(s, message(text="hi", request_id="a\nb")),
         INVALID,

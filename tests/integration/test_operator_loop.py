@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 import grpc
+import psutil
 import pytest
 
 from gateway.demo_keys import DEMO_KEYS
@@ -140,3 +141,26 @@ def check_prometheus(prom: PrometheusServer, jobs: int) -> None:
     series = prom.query('{__name__=~"tierflow_.+"}')
     assert series and all(s["metric"].get("deployment") for s in series)
     assert not any("request_id" in s["metric"] for s in series)
+
+
+def test_every_listener_of_the_stack_binds_loopback(stack):
+    """Nothing that `tierflow up` starts listens beyond this machine, metrics and Kafka
+    included: inside the edge a port is trusted, so only loopback may reach one."""
+    ours = [psutil.Process(p.proc.pid) for p in stack.processes]
+    ours = [*ours, *(child for proc in ours for child in proc.children(recursive=True))]
+    kafka = [
+        proc
+        for proc in psutil.process_iter(["cmdline"])
+        if any(str(stack.broker.data_dir) in part for part in proc.info["cmdline"] or ())
+    ]
+    assert kafka, "the stack's Kafka broker was not found"
+    listening = [
+        (proc.name(), conn.laddr.ip, conn.laddr.port)
+        for proc in (*ours, *kafka)
+        for conn in proc.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    ports = {port for _, _, port in listening}
+    for endpoint in (*stack.endpoints.metrics.values(), stack.endpoints.kafka):
+        assert int(endpoint.rsplit(":", 1)[1]) in ports, endpoint
+    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in listening), listening

@@ -7,9 +7,13 @@ import grpc
 import pytest
 
 from queue_service.clients.admission import (
+    MAX_REQUEST_ID_LEN,
+    UNSCOPED,
     AdmissionError,
+    check_request_id,
     key_id_from_metadata,
     key_weight_from_metadata,
+    scoped_request_id,
 )
 
 
@@ -38,3 +42,18 @@ def test_the_key_label_is_one_label():
     assert key_id_from_metadata(()) == ""
     with pytest.raises(AdmissionError):
         key_id_from_metadata((("x-tierflow-key-id", "a b"),))
+
+
+def test_no_id_a_client_can_send_names_another_scopes_request():
+    """Each key's ids live in its own scope, and unscoped callers (no edge) in one of theirs:
+    an id may not carry the separator, and no key label is the unscoped scope."""
+    assert scoped_request_id("acme", "x") == "acme/x"
+    assert scoped_request_id("", "x") == f"{UNSCOPED}/x"
+    with pytest.raises(AdmissionError) as err:
+        check_request_id("acme/x")
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(AdmissionError):
+        key_id_from_metadata((("x-tierflow-key-id", UNSCOPED),))
+    check_request_id("x" * MAX_REQUEST_ID_LEN)
+    with pytest.raises(AdmissionError):
+        check_request_id("x" * (MAX_REQUEST_ID_LEN + 1))
