@@ -86,6 +86,14 @@ class SchedulingPolicy(ABC):
     engine_chunk_size: ClassVar[int | None] = None
     preempts: ClassVar[bool] = False
     drop_state: ClassVar[bool] = False
+    # After this many preemptions a request runs to completion (``SchedulerConfig`` may set
+    # another bound). A preemption that keeps the state costs its victim one interruption
+    # point (at most the preemption budget, 25 ms) and no work, so the bound only stops a
+    # preempt/resume loop: 32 lets a long prompt yield to every critical arrival of a sustained
+    # load (a 4000-token prompt takes seconds; at 2-3 critical arrivals a second the old bound
+    # of 8 was reached within it, and the prompt then ran on for seconds with critical
+    # requests waiting behind it: the calm key's misses in `tierflow bench --flood`).
+    max_preemptions: ClassVar[int] = 32
     # Whether the planner applies ``guarded`` on top of ``key`` (the tier guard).
     guards_tiers: ClassVar[bool] = False
     # Whether the policy's own rules read TTFT deadlines (so a different SLO changes what it
@@ -196,6 +204,7 @@ class Recompute(Chunked):
     name = "recompute"
     engine_check = "block"
     drop_state = True
+    max_preemptions = 8  # each preemption throws the victim's work away
 
     def victim_key(
         self, running: Request, now: float, remaining_s: float, delay_s: float
@@ -356,6 +365,7 @@ class PriorityLayerStops(Chunked):
 class FlowPrefillRecompute(FlowPrefill):
     name = "flowprefill-recompute"
     drop_state = True
+    max_preemptions = 8  # as recompute: each preemption throws the victim's work away
 
 
 class FlowPrefillLayerStops(FlowPrefill):

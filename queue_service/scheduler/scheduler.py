@@ -64,10 +64,10 @@ from tierflow.tiers import TierTable
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # Anti-thrash: after this many preemptions a request runs to completion. Layer-boundary
-    # preemption keeps the state, so a preemption costs a batch request little; 8 lets a long
-    # document yield to every critical query that arrives during it in all but rare bursts.
-    max_preemptions: int = 8
+    # Anti-thrash: after this many preemptions a request runs to completion. None: the
+    # policy's own bound (``SchedulingPolicy.max_preemptions``: 32 where a preemption keeps the
+    # state, 8 where it throws the work away).
+    max_preemptions: int | None = None
     # No starvation: waited this long since arrival -> first in line and never preempted. Above
     # the largest TTFT SLO so that it only overrides the policy for work already late.
     starvation_s: float = 300.0
@@ -102,8 +102,9 @@ class SchedulerConfig:
     remember_keys: int = 10_000
 
     def __post_init__(self) -> None:
+        if self.max_preemptions is not None and self.max_preemptions < 0:
+            raise ValueError("max_preemptions must be >= 0")
         for name in (
-            "max_preemptions",
             "max_queued_sheddable",
             "max_suspended_per_worker",
             "max_pack_size",
@@ -146,7 +147,11 @@ class Scheduler:
         self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
         self._rules = planner.Rules(
             starvation_s=self.config.starvation_s,
-            max_preemptions=self.config.max_preemptions,
+            max_preemptions=(
+                self.policy.max_preemptions
+                if self.config.max_preemptions is None
+                else self.config.max_preemptions
+            ),
             max_suspended_per_worker=self.config.max_suspended_per_worker,
         )
         self._pack_cost = packing.PackCost(self.predictor)

@@ -297,6 +297,27 @@ def test_preemption_bound_makes_a_request_run_to_completion():
     assert step(sched, RequestDone("b", "w0"), 10.0) == [Assign("s2", "w0")]
 
 
+@pytest.mark.parametrize(("policy", "bound"), [("flowprefill", 32), ("recompute", 8)])
+def test_a_long_prompt_yields_to_a_sustained_critical_load_up_to_its_policys_bound(policy, bound):
+    """A preemption that keeps the state costs the victim one interruption point, so a long
+    prompt yields to every critical arrival of a sustained load (32); one that throws its work
+    away is bounded as before (8)."""
+    sched = make(policy)
+    arrive(sched, "b", "batch", 100_000, 0.0)  # 100 s of prefill
+    now, preempted = 1.0, 0
+    for i in range(40):
+        commands = arrive(sched, f"c{i}", "critical", 50, now)
+        if not commands:
+            break
+        assert commands == [Preempt("b", "w0", drop_state=policy == "recompute")]
+        preempted += 1
+        done = 0 if policy == "recompute" else 1000
+        step(sched, PreemptionAcked("b", "w0", done, policy == "recompute"), now + 0.01)
+        step(sched, RequestDone(f"c{i}", "w0"), now + 0.06)
+        now += 0.5
+    assert preempted == bound
+
+
 def test_preempt_racing_with_the_end_of_the_request():
     sched = make("chunked")
     arrive(sched, "b", "batch", 1000, 0.0)
