@@ -9,8 +9,8 @@ Request ids are scoped to the caller's key: the gateway sets ``x-tierflow-key-id
 label, never the key) and the service names a request ``<label>/<request_id>`` everywhere
 (Kafka, scheduler, workers, logs), so two keys that pick the same id hold two requests, and
 one key never sees, joins or cancels another's. A client's id may not contain the separator
-``/``, and requests without a key id (no edge) have a scope of their own, ``_`` (no key label
-starts with it): so no id a client can send names another scope's request.
+``/``, so a request without a key id (no edge), which keeps its id as it is, has a scope of
+its own too: the names without a ``/``. No id a client can send names another scope's request.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from tierflow.v1 import queue_pb2, serving_pb2
 
 MAX_REQUEST_ID_LEN = 128
 SCOPE_SEPARATOR = "/"
-UNSCOPED = "_"  # the scope of requests that came without a key id
 # The gateway's key labels (gateway/keys.py): never a "/", which separates scope and id.
 _KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -93,9 +92,10 @@ def key_weight_from_metadata(metadata: tuple[tuple[str, str | bytes], ...]) -> f
 
 
 def scoped_request_id(key_id: str, request_id: str) -> str:
-    """The service's name of a client's request: the id within its key's scope (``UNSCOPED``
-    without a key id). ``request_id`` is a client's id that ``check_request_id`` accepted."""
-    return f"{key_id or UNSCOPED}{SCOPE_SEPARATOR}{request_id}"
+    """The service's name of a client's request: the id within its key's scope; without a key
+    id, the id itself (``check_request_id`` keeps the separator out of a client's id, so the
+    two never meet)."""
+    return f"{key_id}{SCOPE_SEPARATOR}{request_id}" if key_id else request_id
 
 
 def check_request_id(request_id: str) -> None:

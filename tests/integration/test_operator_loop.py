@@ -6,6 +6,7 @@ weight changed through `tierflow canary set`.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import time
@@ -163,4 +164,12 @@ def test_every_listener_of_the_stack_binds_loopback(stack):
     ports = {port for _, _, port in listening}
     for endpoint in (*stack.endpoints.metrics.values(), stack.endpoints.kafka):
         assert int(endpoint.rsplit(":", 1)[1]) in ports, endpoint
-    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in listening), listening
+    assert all(loopback(ip) for _, ip, _ in listening), listening
+
+
+def loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6 (a dual-stack socket
+    bound to ``::ffff:127.0.0.1``)."""
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)

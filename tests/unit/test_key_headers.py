@@ -8,7 +8,6 @@ import pytest
 
 from queue_service.clients.admission import (
     MAX_REQUEST_ID_LEN,
-    UNSCOPED,
     AdmissionError,
     check_request_id,
     key_id_from_metadata,
@@ -45,15 +44,13 @@ def test_the_key_label_is_one_label():
 
 
 def test_no_id_a_client_can_send_names_another_scopes_request():
-    """Each key's ids live in its own scope, and unscoped callers (no edge) in one of theirs:
-    an id may not carry the separator, and no key label is the unscoped scope."""
+    """Each key's ids live in its own scope (``<label>/<id>``), and unscoped callers (no edge)
+    in the names without a separator: a client's id may not carry one."""
     assert scoped_request_id("acme", "x") == "acme/x"
-    assert scoped_request_id("", "x") == f"{UNSCOPED}/x"
+    assert scoped_request_id("", "x") == "x"
     with pytest.raises(AdmissionError) as err:
-        check_request_id("acme/x")
+        check_request_id("acme/x")  # unscoped, it would have named acme's request x
     assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(AdmissionError):
-        key_id_from_metadata((("x-tierflow-key-id", UNSCOPED),))
     check_request_id("x" * MAX_REQUEST_ID_LEN)
     with pytest.raises(AdmissionError):
         check_request_id("x" * (MAX_REQUEST_ID_LEN + 1))
