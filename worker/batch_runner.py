@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from worker.batch_engine import BatchEngine, StepResult
@@ -71,6 +72,8 @@ from worker.packed_prefill import PackedPrefill
 from worker.preemption import PreemptionChannel, Signal
 from worker.request import GenerationRequest, InvalidRequestError
 from worker.task import Phase, Task
+
+log = structlog.get_logger(__name__)
 
 NO_TARGET = float("inf")
 
@@ -343,6 +346,10 @@ class BatchRunner:
         if entry is None:
             return
         if entry.task.phase is Phase.DECODE:
+            if self.engine.in_batch(entry.task) or rid in self._waiting_rows:
+                # Never paused here (the scheduler's view was behind): it decodes already.
+                log.warning("resume of a request that is decoding ignored", request_id=rid)
+                return
             self._waiting_rows.append(rid)
             self._admit_rows()
         elif entry.pack is not None:

@@ -154,12 +154,19 @@ def start(members: Sequence[Request], worker: WorkerSlot) -> None:
 def suspended_siblings(
     req: Request, worker: WorkerSlot, requests: Mapping[str, Request]
 ) -> list[Request]:
-    """The other members of ``req``'s pack whose (shared) state ``worker`` holds."""
-    return [
-        requests[rid]
-        for rid in req.pack
-        if rid != req.request_id and rid in requests and rid in worker.suspended
-    ]
+    """The other members of ``req``'s pack whose (shared) state ``worker`` holds: suspended,
+    or still stopping (their acknowledgement not in yet). The worker resumes the whole pack it
+    stopped, so a member whose acknowledgement comes after the Resume runs too; left out here,
+    it would count as suspended while it decodes, and its own Resume later would make the
+    worker add a row it already has."""
+    siblings = []
+    for rid in req.pack:
+        sibling = requests.get(rid)
+        if rid == req.request_id or sibling is None or sibling.worker_id != worker.worker_id:
+            continue
+        if rid in worker.suspended or sibling.state is RequestState.PREEMPTING:
+            siblings.append(sibling)
+    return siblings
 
 
 def riders(worker: WorkerSlot, requests: Mapping[str, Request]) -> list[Request]:

@@ -248,6 +248,25 @@ def test_a_late_preempt_of_one_pack_member_pauses_that_member_alone(tiny_llama):
         assert tokens[name] == reference(model, ids[name], 6)[0], name
 
 
+def test_a_resume_of_a_request_that_decodes_already_is_ignored(tiny_llama):
+    """A Resume for a row the worker never paused (the scheduler's view was behind) must not
+    add the row twice: that raised on the engine thread, and the worker served nothing more."""
+    model = tiny_llama.model
+    stream = Stream()
+    runner = start(model, stream, slots=2, batch=2)
+    ids = prompt(12, 500, seed=41)
+    try:
+        runner.assign(greedy("r", ids, 8))
+        _, before = stream.until(FirstToken, "r")
+        runner.resume("r")
+        events = before + drain(stream, ["r"])
+        runner.assign(greedy("after", prompt(12, 500, seed=42), 2))
+        stream.until(Finished, "after")
+    finally:
+        runner.stop()
+    assert collect_tokens(events)["r"] == reference(model, ids, 8)[0]
+
+
 def test_bad_requests_fail_clearly_and_the_runner_keeps_serving(tiny_llama):
     model = tiny_llama.model
     stream = Stream()

@@ -176,6 +176,30 @@ def test_a_pack_is_preempted_and_resumed_as_one_unit():
     assert sched.running()["w0"] is None
 
 
+def test_a_member_whose_stop_is_acknowledged_after_the_resume_runs_with_its_pack():
+    """The worker resumes the whole pack it stopped. A member whose acknowledgement comes
+    after the Resume runs with it: counted as suspended, it would be resumed again later, and
+    the worker would add a decode row it already has (its engine thread died on that)."""
+    sched = batched()
+    busy_with(sched, tier="batch")
+    for i, rid in enumerate(("a", "b")):
+        assert arrive(sched, rid, "batch", 200, 0.1 + 0.01 * i) == []
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("a", "b"), "w0")]
+    assert arrive(sched, "c", "critical", 900, 0.45) == [
+        Preempt("a", "w0", False),
+        Preempt("b", "w0", False),
+    ]
+    assert step(sched, PreemptionAcked("a", "w0", 0, False), 0.46) == [Assign("c", "w0")]
+    # c's first token comes before b's acknowledgement: one Resume resumes both.
+    assert first_token(sched, "c", 1.3, tokens=900) == [Resume("a", "w0")]
+    assert step(sched, PreemptionAcked("b", "w0", 0, False), 1.31) == []  # stale: it runs
+    assert all(sched.state_of(r) is RequestState.RUNNING for r in "ab")
+    assert sched.suspended()["w0"] == ()
+    for rid in ("a", "b"):
+        assert first_token(sched, rid, 1.6, pack_tokens=400, prefill_s=0.4) == []
+    assert all(sched.state_of(r) is RequestState.DECODING for r in "ab")
+
+
 def test_a_cancelled_first_member_hands_the_prefill_to_the_rest_of_its_pack():
     sched = batched()
     busy_with(sched)
