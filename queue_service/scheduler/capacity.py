@@ -20,14 +20,15 @@ A request is admitted at its tier when that is within the tier's SLO. The same r
 request whose own prefill alone exceeds the SLO.
 
 Between the keys of a tier (``fairness``) the scheduler serves in weighted fair order, so the
-work ahead of a newcomer of key k is not all the tier's committed work but its own key's
-``c_k`` and, of every other key j, what fair order runs first: ``min(c_j, w_j / w_k * (c_k +
-own))``. Fair order also lets another key's later requests run before it, up to that key's
-share of the tier. So while key k is over its own share (``c_k + own > share_k``, with work of
-its own already committed), admission keeps the unused share of every other active key free
-for it:
+work ahead of a newcomer of key k is not all the tier's committed work but its own key's ``c_k``
+and, of every other key j, what fair order runs first: ``min(c_j, w_j / w_k * max(0, c_k + own -
+B))``, where ``B``, the burst credit of a key that was idle, is its share of the tier
+(``share_k`` below; ``fairness``). Fair order also lets another key's later requests run before
+it, up to that key's share of the tier. So while key k is over its own share (``c_k + own >
+share_k``, with work of its own already committed), admission keeps the unused share of every
+other active key free for it:
 
-    committed_s = c_k + sum_j min(c_j, w_j / w_k * (c_k + own))
+    committed_s = c_k + sum_j min(c_j, w_j / w_k * max(0, c_k + own - B))
                       + (sum_j max(0, share_j - c_j)  if 0 < c_k and k is over its share)
     share_j     = W * (SLO - switch_s) / (1 + margin) * w_j / (sum of the active keys' w)
 
@@ -126,7 +127,7 @@ def judge(
     keys = _key_loads(loads, pending, prefill_s)
     keys.setdefault(key_id, KeyLoad(key_id, key_weight, 0.0))
     keys[key_id] = KeyLoad(key_id, key_weight, keys[key_id].committed_s)
-    capacity_s = workers * max(0.0, tier.ttft_slo_s - switch_s) / (1.0 + margin)
+    capacity_s = tier_capacity_s(workers, tier.ttft_slo_s, switch_s, margin)
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     committed_s += sum(load.committed_s for load in above)
     ttft_s = switch_s + (1.0 + margin) * (committed_s / workers + own_s)
@@ -165,14 +166,28 @@ def _key_loads(
     return keys
 
 
+def key_share_s(capacity_s: float, weight: float, weights: Sequence[float]) -> float:
+    """A key's share of its tier's capacity (predicted prefill seconds in flight): also the
+    burst credit fair order gives it when it was idle (``fairness``)."""
+    return capacity_s * weight / sum(weights)
+
+
+def tier_capacity_s(workers: int, slo_s: float, switch_s: float, margin: float) -> float:
+    """The predicted prefill seconds a tier can hold in flight and still meet its SLO."""
+    return workers * max(0.0, slo_s - switch_s) / (1.0 + margin)
+
+
 def _ahead_s(keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: float) -> float:
     """The committed work a newcomer of ``key_id`` waits for in fair order, with the unused
     shares of the other keys kept free while its key is over its own share."""
     mine = keys[key_id]
     others = [k for k in keys.values() if k.key_id != key_id]
-    tag = (mine.committed_s + own_s) / mine.weight
+    weights = [k.weight for k in keys.values()]
+    share = key_share_s(capacity_s, mine.weight, weights)
+    tag = max(0.0, mine.committed_s + own_s - share) / mine.weight  # past its burst credit
     ahead = mine.committed_s + sum(min(k.committed_s, k.weight * tag) for k in others)
-    total_weight = sum(k.weight for k in keys.values())
-    if mine.committed_s > 0 and mine.committed_s + own_s > capacity_s * mine.weight / total_weight:
-        ahead += sum(max(0.0, capacity_s * k.weight / total_weight - k.committed_s) for k in others)
+    if mine.committed_s > 0 and mine.committed_s + own_s > share:
+        ahead += sum(
+            max(0.0, key_share_s(capacity_s, k.weight, weights) - k.committed_s) for k in others
+        )
     return ahead

@@ -7,14 +7,19 @@ the tier's turn in proportion to its weight (``weight`` in ``config/keys.toml``,
 every request), by start-time fair queueing over predicted prefill seconds. At its arrival a
 request of key k gets
 
-    start tag  S = max(V, F_k)          finish tag  F_k = S + predicted prefill / weight_k
+    start tag  S = max(V - B / weight_k, F_k)     finish tag  F_k = S + predicted prefill / weight_k
 
 where ``F_k`` is the finish tag of the key's previous request and ``V``, the tier's virtual
-time, is the smallest start tag of the tier's requests still to prefill, running or waiting:
-as in start-time fair queueing, the start tag of the request in service (the highest finish
-tag issued, when none is left). A key that floods runs its tags far ahead of ``V``; a key that
-sends within its share starts at ``V``, so it runs next, before the flood's waiting requests
-(whose tags are past the one in service). A key gets no credit for the time it was idle.
+time, is the smallest start tag of the tier's requests still to prefill, running or waiting: as
+in start-time fair queueing, the start tag of the request in service (the highest finish tag
+issued, when none is left), kept from going back. A key that floods runs its tags far ahead of
+``V``. A key that was idle gets a burst credit ``B``, its share of the tier as admission reckons
+it (``capacity.key_share_s``): its next ``B`` seconds of work start before ``V``, before the
+flood's waiting requests, and admission keeps that much free for it. Without it, fair order
+dealt a calm key's burst one for one with the flood's requests, so its second request in a burst
+waited for one of the flood's and its third for two: past a 0.3 s SLO. The credit is bounded and
+a key that stays busy never has it (its own finish tag is past ``V - B``), so a flood cannot use
+it.
 
 The tier's requests then take the tier's places in the policy's ranking in start-tag order:
 
@@ -31,6 +36,7 @@ active key's share free for it; ``KeyBook`` also says which keys are active.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,14 +59,19 @@ class KeyBook:
     def __init__(self, capacity: int) -> None:
         self._keys: RecentMap[tuple[str, str], KeyEntry] = RecentMap(capacity)
         self._top_tag: dict[str, float] = defaultdict(float)  # tier -> highest finish tag
+        self._virtual: dict[str, float] = {}  # tier -> V, never decreasing
 
-    def arrive(self, req: Request, predicted_s: float, waiting: Iterable[Request]) -> float:
+    def arrive(
+        self, req: Request, predicted_s: float, waiting: Iterable[Request], credit_s: float = 0.0
+    ) -> float:
         """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
-        requests still to prefill, running or waiting (their tags give the virtual time)."""
+        requests still to prefill, running or waiting (their tags give the virtual time);
+        ``credit_s``: the burst credit of a key that was idle (``B``)."""
         tier = req.tier.name
-        virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
+        now_virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
+        virtual = self._virtual[tier] = max(self._virtual.get(tier, now_virtual), now_virtual)
         before = self._keys.get((tier, req.key_id))
-        start = max(virtual, before.finish_tag if before else 0.0)
+        start = max(virtual - credit_s / req.key_weight, before.finish_tag if before else -math.inf)
         finish = start + predicted_s / req.key_weight
         self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish)
         self._top_tag[tier] = max(self._top_tag[tier], finish)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from queue_service.scheduler import decode_batch, fairness, packing, planner
-from queue_service.scheduler.capacity import KeyLoad, TierLoad
+from queue_service.scheduler.capacity import KeyLoad, TierLoad, key_share_s, tier_capacity_s
 from queue_service.scheduler.events import (
     Assign,
     AssignPacked,
@@ -232,9 +232,23 @@ class Scheduler:
             req,
             self.predictor.predict(req.prompt_tokens),
             (r for r in self._requests.values() if r.tier is tier and not r.prefilled),
+            credit_s=self._burst_credit_s(req, now),
         )
         self._requests[rid] = req
         return self._schedule(now)
+
+    def _burst_credit_s(self, req: Request, now: float) -> float:
+        """The key's share of its tier, as admission reckons it (``capacity.key_share_s``):
+        what fair order lets a key that was idle run ahead of the others."""
+        weights = dict(self._keys.active(req.tier.name, now - self.config.key_active_s))
+        weights[req.key_id] = req.key_weight
+        capacity_s = tier_capacity_s(
+            len(self._workers),
+            req.tier.ttft_slo_s,
+            self.switch_s(),
+            self.prediction_errors.margin(),
+        )
+        return key_share_s(capacity_s, req.key_weight, list(weights.values()))
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
         # The estimate of what is left gets sharper, and a request that chose to wait on the

@@ -106,6 +106,16 @@ def test_a_key_over_its_share_leaves_the_other_active_keys_share_free():
     assert judge(CRITICAL, [keyed(flood=0.14)], 40, key_id="flood").admit
 
 
+def test_a_key_within_its_burst_credit_waits_for_none_of_another_keys_work():
+    # The calm key has 0.1 s committed; with its 0.05 s newcomer it is inside its burst credit
+    # (its share, 0.15 s of the 0.3 s tier), so fair order runs it before the flood's 0.25 s.
+    verdict = judge(CRITICAL, [keyed(flood=0.25, calm=0.1)], 50, key_id="calm")
+    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.15)
+    # Past it (0.25 + 0.1 - 0.15 = 0.2 s), as much of the flood's work is dealt in: 0.55 s.
+    beyond = judge(CRITICAL, [keyed(flood=0.25, calm=0.25)], 100, key_id="calm")
+    assert not beyond.admit and beyond.predicted_ttft_s == pytest.approx(0.25 + 0.2 + 0.1)
+
+
 def test_a_keys_first_request_is_never_over_its_share():
     # With a 0.8 margin a key's share is 0.3 / 1.8 / 2 = 0.083 s, less than its 100 ms prompt.
     # With nothing of its own committed it is not over its share: nothing is reserved for the

@@ -88,18 +88,28 @@ def test_the_scheduler_serves_a_calm_key_before_the_backlog_of_a_flood():
     assert drain_order(sched, 0.02).index("calm") <= 1
 
 
-def test_a_calm_request_runs_next_after_the_floods_request_in_service():
-    """Start-time fair queueing: the virtual time is the start tag of the request in service,
-    so a calm key's request ties with it and goes before every waiting request of the flood
-    (had the virtual time been the first waiting tag, it would tie with f1 and lose)."""
+def test_an_idle_keys_burst_within_its_credit_goes_before_the_floods_waiting_requests():
+    """Without a credit, fair order deals a calm burst one for one with a backlogged flood;
+    with one (its share of the tier's work), the burst runs first. A flood busy for longer
+    than its own credit (its whole tier's, 0.83 s, while it was alone) has none left: its tags
+    run past the virtual time, the start tag of the request in service."""
     sched = make("flowprefill")
-    assert step(sched, RequestArrived("f0", "critical", 30, key_id="flood"), 0.0) == [
-        Assign("f0", "w0")
-    ]
-    for i in range(1, 6):
+    step(sched, RequestArrived("f0", "critical", 30, key_id="flood"), 0.0)
+    for i in range(1, 45):
         assert step(sched, RequestArrived(f"f{i}", "critical", 30, key_id="flood"), 0.0) == []
-    assert step(sched, RequestArrived("calm", "critical", 30, key_id="calm"), 0.01) == []
-    assert step(sched, RequestDone("f0", "w0"), 0.03) == [Assign("calm", "w0")]
+    now = 0.0
+    for i in range(36):  # 1.08 s of the flood served: past its credit
+        now += 0.03
+        assert step(sched, RequestDone(f"f{i}", "w0"), now) == [Assign(f"f{i + 1}", "w0")]
+    for i in range(3):
+        assert step(sched, RequestArrived(f"c{i}", "critical", 30, key_id="calm"), now) == []
+    order, running = [], "f36"
+    for _ in range(4):
+        now += 0.03
+        (assign,) = step(sched, RequestDone(running, "w0"), now)
+        running = assign.request_id
+        order.append(running)
+    assert order == ["c0", "c1", "c2", "f37"]
 
 
 def test_a_calm_request_longer_than_the_floods_is_not_starved():
