@@ -26,7 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
 from tierflow.logging import configure_logging
-from tierflow.metrics import METRICS_LOOPBACK, serve_metrics
+from tierflow.metrics import add_metrics_arguments, serve_metrics
 from tierflow.tiers import load_tiers
 
 log = structlog.get_logger("gateway")
@@ -107,11 +107,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="seconds between looks at the keys file's mtime (0: at every Check)",
     )
     p.add_argument("--deployment", default=GatewayConfig.deployment, help="metrics label")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
-    p.add_argument(
-        "--metrics-host", default=METRICS_LOOPBACK,
-        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
-    )  # fmt: skip
+    add_metrics_arguments(p)
     args = p.parse_args(argv)
     return GatewayConfig(
         listen=args.listen,

@@ -43,7 +43,7 @@ from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
-from tierflow.metrics import METRICS_LOOPBACK, serve_metrics
+from tierflow.metrics import add_metrics_arguments, serve_metrics
 from tierflow.tiers import load_tiers
 from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2, worker_pb2_grpc
 
@@ -276,11 +276,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         help="seconds of silence after which a client stream gets a Heartbeat event",
     )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)")
-    p.add_argument(
-        "--metrics-host", default=METRICS_LOOPBACK,
-        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
-    )  # fmt: skip
+    add_metrics_arguments(p)
     args = p.parse_args(argv)
     overrides = {
         k: v

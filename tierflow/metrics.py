@@ -11,6 +11,7 @@ per request would grow without bound).
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
@@ -35,6 +36,17 @@ def latency_buckets(slos_s: Iterable[float] = ()) -> tuple[float, ...]:
 
 
 METRICS_LOOPBACK = "127.0.0.1"  # /metrics listens here unless a deployment opens it
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-host``, the same for every service."""
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
+    )
+    parser.add_argument(
+        "--metrics-host", default=METRICS_LOOPBACK,
+        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
+    )  # fmt: skip
 
 
 class MetricsEndpoint:

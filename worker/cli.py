@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import structlog
 
 from tierflow.logging import configure_logging
+from tierflow.metrics import add_metrics_arguments
 from worker.config import CHECK_GRANULARITIES, WorkerConfig
 from worker.models import ModelLoadError
 from worker.process import WorkerProcess
@@ -26,11 +27,35 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m worker.process",
         description="Run one worker: attach to the queue service and serve its commands.",
     )
+    _add_connection_arguments(parser)
+    _add_engine_arguments(parser)
+    _add_batch_arguments(parser)
+    parser.add_argument("--deployment", default=WorkerConfig.deployment, help="metrics label")
+    add_metrics_arguments(parser)
+    return parser
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the worker attaches, as whom, and how it keeps the session alive."""
     defaults = WorkerConfig
     parser.add_argument(
         "--queue-service", required=True, help="host:port of the queue service (WorkerControl)"
     )
     parser.add_argument("--worker-id", help="default: <hostname>-<pid>")
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=defaults.heartbeat_interval_s, help="seconds"
+    )
+    parser.add_argument(
+        "--reconnect-min", type=float, default=defaults.reconnect_min_s, help="seconds"
+    )
+    parser.add_argument(
+        "--reconnect-max", type=float, default=defaults.reconnect_max_s, help="seconds"
+    )
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, where it runs, and where a prefill may be stopped."""
+    defaults = WorkerConfig
     parser.add_argument("--model", default=defaults.model, help="preset, local directory or hub id")
     parser.add_argument("--device", help="cuda, cuda:1, cpu ... (default: cuda when present)")
     parser.add_argument(
@@ -59,14 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap on what suspended requests hold together",
     )
     parser.add_argument(
-        "--heartbeat-interval", type=float, default=defaults.heartbeat_interval_s, help="seconds"
+        "--cpus",
+        type=_cores,
+        help="run on these CPU cores (e.g. 0 or 0,1), one torch thread each (default: all)",
     )
-    parser.add_argument(
-        "--reconnect-min", type=float, default=defaults.reconnect_min_s, help="seconds"
-    )
-    parser.add_argument(
-        "--reconnect-max", type=float, default=defaults.reconnect_max_s, help="seconds"
-    )
+
+
+def _add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV pool and the decode batch."""
+    defaults = WorkerConfig
     parser.add_argument(
         "--kv-slots",
         type=int,
@@ -91,20 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="commit the whole KV pool's memory at start (else, on a CPU, as requests write it)",
     )
-    parser.add_argument(
-        "--cpus",
-        type=_cores,
-        help="run on these CPU cores (e.g. 0 or 0,1), one torch thread each (default: all)",
-    )
-    parser.add_argument("--deployment", default=defaults.deployment, help="metrics label")
-    parser.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics (0: a free port)"
-    )
-    parser.add_argument(
-        "--metrics-host", default=defaults.metrics_host,
-        help="the address metrics listen on (default loopback; 0.0.0.0 inside a private network)",
-    )  # fmt: skip
-    return parser
 
 
 def _cores(text: str) -> tuple[int, ...]:
