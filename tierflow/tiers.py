@@ -112,6 +112,11 @@ class TierTable:
             ranks[tier.rank] = tier.name
         self._ordered = tuple(ordered)
         self._by_name = by_name
+        self._judged = tuple(
+            tier.name
+            for above, tier in zip((None, *ordered), ordered, strict=False)
+            if tier.overflow is not None or (above is not None and above.overflow == "downgrade")
+        )
         last = ordered[-1]
         if last.overflow == "downgrade":
             raise ValueError(
@@ -127,12 +132,7 @@ class TierTable:
         """The tiers that admission judges against their capacity: those with an ``overflow``
         rule, and the tier a ``downgrade`` sends to (a downgraded request is served there only
         if it can meet that tier's SLO too)."""
-        names = []
-        for tier in self._ordered:
-            above = self._ordered[: self._ordered.index(tier)]
-            if tier.overflow is not None or (above and above[-1].overflow == "downgrade"):
-                names.append(tier.name)
-        return tuple(names)
+        return self._judged
 
     def get(self, name: str) -> TierPolicy:
         """The tier called ``name``; UnknownTierError (a ValueError) when there is none."""
