@@ -4,7 +4,7 @@ Two critical keys of equal share (weight 1): ``calm`` sends within its share (``
 the critical tier's capacity) and ``flood`` sends ``flood_factor`` times that capacity, beside
 standard and batch traffic (the sustained mix at ``others_factor``). The critical tier's
 capacity is measured, not assumed: lone requests of the tier's mean prompt through the same
-harness and workers (``critical_capacity_per_s``). Critical prompts are short enough to meet
+harness and workers (``measure_critical_capacity``). Critical prompts are short enough to meet
 the SLO alone.
 
 The same arrivals run under four scenarios, flowprefill on the batched default each time, in
@@ -38,16 +38,14 @@ from bench.metrics import wilson_interval
 from bench.policy_bench import (
     PolicyBenchConfig,
     _predictor,
-    fixed_prompt,
     make_engines,
-    median_run_ms,
     run_order,
+    speed_probe_ms,
 )
 from bench.report import write_json
 from bench.workload import DEFAULT_MIX, Arrival, TierMix, Workload, output_lengths, synthetic
 from queue_service.scheduler import PrefillTimePredictor, Scheduler, make_policy
 from tierflow.tiers import TierTable, load_tiers
-from worker.engine import EngineConfig, PrefillEngine
 
 SCENARIOS = ("calm alone", "flood, downgrade", "flood, reject", "flood, off")
 POLICY = "flowprefill"
@@ -68,7 +66,7 @@ PROBES = 24  # lone critical requests that measure the tier's capacity
 PROBE_GAP_S = 0.5  # apart, so that each prefills alone (its decode may overlap the next)
 
 
-def critical_capacity_per_s(model, bench: PolicyBenchConfig, predictor, cfg: FloodConfig) -> dict:
+def measure_critical_capacity(model, bench: PolicyBenchConfig, predictor, cfg: FloodConfig) -> dict:
     """Critical requests a second the run's workers serve one at a time, measured as the
     scenarios run them: ``PROBES`` lone requests of the tier's mean prompt through the same
     harness, engine, scheduler and output lengths; the capacity is the workers over their
@@ -78,10 +76,7 @@ def critical_capacity_per_s(model, bench: PolicyBenchConfig, predictor, cfg: Flo
     """
     critical = DEFAULT_MIX[0]
     tokens = round((critical.min_tokens + critical.max_tokens) / 2)
-    engine = PrefillEngine(model, EngineConfig(chunk_size=None, check="none"))
-    ids = fixed_prompt(model.config.vocab_size, tokens)
-    median_run_ms(engine, ids, runs=2)  # warm-up
-    bare_ms = median_run_ms(engine, ids, runs=9)
+    bare_ms = speed_probe_ms(model, tokens, runs=9, warmup=2)
     probes = Workload(
         "capacity probes",
         tuple(
@@ -233,7 +228,7 @@ def run(cfg: FloodConfig, bench: PolicyBenchConfig, console: Console) -> dict:
     tiers = load_tiers(bench.tiers_file)
     with Progress(console=console) as progress:
         predictor = _predictor(model, bench, progress)
-        measured = critical_capacity_per_s(model, bench, predictor, cfg)
+        measured = measure_critical_capacity(model, bench, predictor, cfg)
         capacity = measured["per_s"]
         workloads = {
             "calm": flood_workload(cfg, capacity, with_flood=False),

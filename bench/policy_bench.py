@@ -163,12 +163,16 @@ def run_order(policies: tuple[str, ...], seed: int) -> tuple[str, ...]:
     return tuple(policies[k:] + policies[:k])
 
 
-def speed_probe_ms(model) -> float:
-    """This machine's speed just before a policy's run: the median of 3 prefills of one fixed
-    256-token prompt, in ms. The same work every time, so policies' runs can be compared for
-    the machine they got (reported next to each policy; nothing is scaled by it)."""
+def speed_probe_ms(model, tokens: int = 256, runs: int = 3, warmup: int = 0) -> float:
+    """This machine's speed just before a policy's run: the median of ``runs`` prefills of one
+    fixed prompt (256 tokens) alone on a bare engine, in ms, after ``warmup`` unmeasured ones.
+    The same work every time, so policies' runs can be compared for the machine they got
+    (reported next to each policy; nothing is scaled by it)."""
     engine = PrefillEngine(model, EngineConfig(chunk_size=None, check="none"))
-    return median_run_ms(engine, fixed_prompt(model.config.vocab_size, 256))
+    ids = fixed_prompt(model.config.vocab_size, tokens)
+    if warmup:
+        median_run_ms(engine, ids, runs=warmup)
+    return median_run_ms(engine, ids, runs=runs)
 
 
 def fixed_prompt(vocab_size: int, tokens: int) -> tuple[int, ...]:
