@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from queue_service.scheduler.request import Request
@@ -62,16 +62,23 @@ class KeyBook:
         self._virtual: dict[str, float] = {}  # tier -> V, never decreasing
 
     def arrive(
-        self, req: Request, predicted_s: float, waiting: Iterable[Request], credit_s: float = 0.0
+        self,
+        req: Request,
+        predicted_s: float,
+        waiting: Iterable[Request],
+        credit_s: Callable[[], float] = lambda: 0.0,
     ) -> float:
         """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
         requests still to prefill, running or waiting (their tags give the virtual time);
-        ``credit_s``: the burst credit of a key that was idle (``B``)."""
+        ``credit_s``: the burst credit of a key that was idle (``B``), asked only of a key
+        whose last finish tag is behind the virtual time (a busy key's never matters)."""
         tier = req.tier.name
         now_virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
         virtual = self._virtual[tier] = max(self._virtual.get(tier, now_virtual), now_virtual)
         before = self._keys.get((tier, req.key_id))
-        start = max(virtual - credit_s / req.key_weight, before.finish_tag if before else -math.inf)
+        start = before.finish_tag if before else -math.inf
+        if start < virtual:
+            start = max(start, virtual - credit_s() / req.key_weight)
         finish = start + predicted_s / req.key_weight
         self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish)
         self._top_tag[tier] = max(self._top_tag[tier], finish)

@@ -232,7 +232,7 @@ class Scheduler:
             req,
             self.predictor.predict(req.prompt_tokens),
             (r for r in self._requests.values() if r.tier is tier and not r.prefilled),
-            credit_s=self._burst_credit_s(req, now),
+            credit_s=lambda: self._burst_credit_s(req, now),
         )
         self._requests[rid] = req
         return self._schedule(now)
