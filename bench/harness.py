@@ -154,6 +154,10 @@ class InProcessWorker:
         self._logged("cancel", request_id)
         self.runner.cancel(request_id)
 
+    def drain(self) -> None:
+        # The scheduler sends Drain only after a WorkerDraining, which no benchmark sends.
+        raise RuntimeError("a benchmark's in-process worker is never drained")
+
 
 class HeapTimers:
     """The dispatcher's wake-ups for a loop that sleeps until the next one is due."""

@@ -169,6 +169,11 @@ class BatchRunner:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it ends on stop(), or on a bug that killed it)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         with self._lock:
             self._stopping = True

@@ -51,6 +51,18 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reconnect-max", type=float, default=defaults.reconnect_max_s, help="seconds"
     )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=defaults.drain_timeout_s,
+        help="seconds a SIGTERM waits for held requests to finish before it stops the worker",
+    )  # fmt: skip
+    parser.add_argument(
+        "--health-port", type=int,
+        help="serve the gRPC health service for probes (0: a free port; default: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--health-host", default=defaults.health_host,
+        help="the address health listens on (default loopback; 0.0.0.0 for a kubelet's probes)",
+    )  # fmt: skip
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +162,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         reconnect_min_s=args.reconnect_min,
         reconnect_max_s=args.reconnect_max,
+        drain_timeout_s=args.drain_timeout,
+        health_port=args.health_port,
+        health_host=args.health_host,
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -181,9 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker: WorkerProcess | None = None
 
     def on_signal(signum: int, _frame: object) -> None:
-        main_log.info("signal received, shutting down", signal=signal.Signals(signum).name)
+        # The first SIGTERM drains (finish what is held, take nothing new); a second signal,
+        # or SIGINT (an operator's Ctrl-C), stops at once: what is held reruns elsewhere.
+        name = signal.Signals(signum).name
+        drain = signum == signal.SIGTERM and not stop_requested.is_set()
+        main_log.info("signal received", signal=name, action="drain" if drain else "stop")
         stop_requested.set()
-        if worker is not None:
+        if worker is not None and drain:
+            worker.drain()
+        elif worker is not None:
             worker.stop()
 
     signal.signal(signal.SIGTERM, on_signal)

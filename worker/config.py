@@ -115,10 +115,17 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.5
     reconnect_min_s: float = 0.1
     reconnect_max_s: float = 5.0
+    # On SIGTERM the worker takes no new request and finishes what it holds, for at most this
+    # long; then it stops, and what it still holds reruns elsewhere. Under the grace period its
+    # orchestrator gives it (Kubernetes: terminationGracePeriodSeconds, 30 s by default).
+    drain_timeout_s: float = 25.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
     # Where /metrics listens: loopback unless the deployment opens it (compose: its network).
     metrics_host: str = METRICS_LOOPBACK
+    # The gRPC health service for probes (``worker.health``); None: not served, 0: a free port.
+    health_port: int | None = None
+    health_host: str = METRICS_LOOPBACK  # loopback unless the deployment opens it
     # KV slots (worker.batch_engine): the worker prefills one request while the others
     # decode together. 1 (with a batch of 1): one request at a time, on the same engine.
     kv_slots: int = BatchConfig.pool_slots
@@ -145,6 +152,8 @@ class WorkerConfig:
                 "need 0 < reconnect_min_s <= reconnect_max_s, got "
                 f"{self.reconnect_min_s} and {self.reconnect_max_s}"
             )
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
             raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
         if self.kv_slots < 1:

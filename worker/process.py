@@ -37,6 +37,7 @@ from worker.batch_runner import BatchRunner
 from worker.config import WorkerConfig
 from worker.event_log import log_event
 from worker.events import Cancelled, Failed, Finished, RunnerEvent
+from worker.health import HealthEndpoint
 from worker.metrics import WorkerMetrics
 from worker.models import LoadedModel, load_model
 from worker.request import GenerationRequest, InvalidRequestError
@@ -80,14 +81,16 @@ class WorkerProcess:
         self.runner = BatchRunner(self.engine, self._on_event, name=name)
         self.metrics = WorkerMetrics(config.deployment, config.worker_id)
         self.metrics_endpoint = None
+        self.health_endpoint: HealthEndpoint | None = None
         self._hello = wire.hello(config.worker_id, self.model.name, self.engine)
         self._cond = threading.Condition()
         # Guarded by _cond:
         self._held: set[str] = set()  # assigned and not yet finished, cancelled or failed
         self._session: Session | None = None
         self._connecting: grpc.Future | None = None
-        self._draining = False
+        self._draining = False  # the queue service sent Drain: no new request follows
         self._stopping = threading.Event()
+        self._drain_asked = threading.Event()  # drain() was called (SIGTERM)
         self._ready_settled_at = 0.0  # monotonic time the last wait for a connection ended
         # Daemon: should the main thread die without stop(), a dangling stream must not keep
         # the process alive.
@@ -109,8 +112,22 @@ class WorkerProcess:
         self.metrics_endpoint = serve_metrics(
             self.metrics.registry, self.config.metrics_port, self.config.metrics_host
         )
+        if self.config.health_port is not None:
+            self.health_endpoint = HealthEndpoint(
+                self.config.health_host, self.config.health_port, self.ready, self.alive
+            ).start()
         self._thread.start()
         return self
+
+    def ready(self) -> bool:
+        """Attached to a queue service, and not shutting down (``worker.health``)."""
+        with self._cond:
+            attached = self._session is not None
+        return attached and not (self._draining or self._drain_asked.is_set())
+
+    def alive(self) -> bool:
+        """The engine thread and the control thread run (``worker.health``)."""
+        return self.runner.alive and self._thread.is_alive()
 
     def stop(self) -> None:
         """Ask the worker to shut down; returns at once (safe in a signal handler)."""
@@ -127,12 +144,40 @@ class WorkerProcess:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def drain(self) -> None:
+        """Shut down gracefully (SIGTERM); returns at once (safe in a signal handler).
+
+        ``run`` then tells the queue service, which sends no new request and answers Drain;
+        the worker finishes what it holds (running, decoding, suspended), closes its stream
+        and exits. After ``config.drain_timeout_s`` it stops anyway: what it still holds is
+        cancelled and reruns elsewhere, as when a worker is lost."""
+        self._drain_asked.set()
+
     def run(self) -> int:
         self.start()
+        give_up_at: float | None = None
         # Short waits keep the calling (main) thread responsive to signals.
-        while not self.wait(0.5):
-            pass
+        while not self.wait(0.1):
+            if give_up_at is None and self._drain_asked.is_set():
+                give_up_at = time.monotonic() + self.config.drain_timeout_s
+                self._ask_to_drain()
+            elif give_up_at is not None and time.monotonic() > give_up_at:
+                with self._cond:
+                    held = sorted(self._held)
+                self._log.warning("drain timed out; stopping", requests=held)
+                self.stop()
+                give_up_at = float("inf")
         return 0
+
+    def _ask_to_drain(self) -> None:
+        with self._cond:
+            session, held = self._session, len(self._held)
+        if session is None:  # not attached: nothing to finish, nobody to tell
+            self._log.info("draining while detached: stopping")
+            self.stop()
+            return
+        self._log.info("draining", requests=held, timeout_s=self.config.drain_timeout_s)
+        session.send(wire.draining())
 
     # ------------------------------------------------------------ control thread
 
@@ -150,8 +195,8 @@ class WorkerProcess:
             while not self._stopping.is_set():
                 healthy = self._attach_once(channel)
                 self._release_held()
-                if self._stopping.is_set() or self._draining:
-                    break
+                if self._stopping.is_set() or self._draining or self._drain_asked.is_set():
+                    break  # a worker that is shutting down does not dial again
                 if healthy:
                     backoff.reset()
                 delay = backoff.next_delay()
@@ -166,6 +211,8 @@ class WorkerProcess:
             self.metrics.stop()
             if self.metrics_endpoint is not None:
                 self.metrics_endpoint.close()
+            if self.health_endpoint is not None:
+                self.health_endpoint.close()
             time.sleep(max(0.0, self._ready_settled_at + _CONNECTIVITY_POLL_S - time.monotonic()))
             channel.close()
             self._log.info("stopped", drained=self._draining)
@@ -341,7 +388,7 @@ class WorkerProcess:
             self._draining = True
             idle = not self._held
             held = len(self._held)
-        self._log.info("draining", requests=held)
+        self._log.info("drain acknowledged", requests=held)
         if idle:
             session.close_after_drain()
 

@@ -182,3 +182,8 @@ def heartbeat(suspended_bytes: int, running_request_id: str | None) -> worker_pb
             suspended_bytes=suspended_bytes, running_request_id=running_request_id or ""
         )
     )
+
+
+def draining() -> worker_pb2.WorkerMessage:
+    """The worker is shutting down: the queue service should send it no new request."""
+    return worker_pb2.WorkerMessage(draining=worker_pb2.Draining())

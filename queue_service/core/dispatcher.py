@@ -17,6 +17,8 @@ runs, and the rules of the protocol live here once:
 - SetTimer / CancelTimer arm and disarm the request's one wake-up on a ``Timers`` service; when
   it is due, the owner calls ``Dispatcher.fire_timer`` (a stale one is ignored by the scheduler).
 - Reject goes to the owner (``on_reject``), which answers the client.
+- A worker that is shutting down says so (``worker_draining``); the scheduler then sends it
+  nothing new but Drain, and it leaves (``worker_left``) once it holds nothing.
 
 The dispatcher owns no thread and no I/O of its own: it is called on the owner's loop, one call
 at a time, like the scheduler it wraps. It also keeps the cost of deciding (seconds spent in
@@ -36,6 +38,7 @@ from queue_service.scheduler import (
     Cancel,
     CancelTimer,
     Command,
+    Drain,
     Event,
     PauseDecode,
     Preempt,
@@ -44,6 +47,7 @@ from queue_service.scheduler import (
     Scheduler,
     SetTimer,
     TimerFired,
+    WorkerDraining,
     WorkerJoined,
     WorkerLeft,
 )
@@ -69,6 +73,9 @@ class WorkerHandle(Protocol):
 
     def cancel(self, request_id: str) -> None:
         """Stop the request, running or suspended, and free what it holds."""
+
+    def drain(self) -> None:
+        """No new request follows: the worker leaves once it holds nothing."""
 
 
 class Timers(Protocol):
@@ -130,6 +137,11 @@ class Dispatcher:
         if self.handles.pop(worker_id, None) is not None:
             self.handle(WorkerLeft(worker_id))
 
+    def worker_draining(self, worker_id: str) -> None:
+        """The worker is shutting down: it finishes what it holds and gets nothing new."""
+        if worker_id in self.handles:
+            self.handle(WorkerDraining(worker_id))
+
     def fire_timer(self, request_id: str) -> None:
         self.handle(TimerFired(request_id))
 
@@ -164,5 +176,7 @@ class Dispatcher:
                 self.handles[wid].preempt(rid, drop)
             case Cancel(request_id=rid, worker_id=wid):
                 self.handles[wid].cancel(rid)
+            case Drain(worker_id=wid):
+                self.handles[wid].drain()
             case _:
                 raise TypeError(f"not a scheduler command: {command!r}")

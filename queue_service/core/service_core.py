@@ -325,6 +325,10 @@ class ServiceCore:
         if kind == "decode_step":  # every row's token: not one request's event
             self._on_decode_step(worker_id, body)
             return
+        if kind == "draining":  # the worker's, not one request's
+            log.info("worker draining", worker_id=worker_id)
+            self.dispatcher.worker_draining(worker_id)
+            return
         live = self.live.get(getattr(body, "request_id", ""))
         if kind == "heartbeat" or live is None or live.worker_id != worker_id:
             return  # heartbeats are read by the session; stale events of a moved request dropped

@@ -147,7 +147,8 @@ def slot_evictions(
     slots: one decoding request of a lower tier there, whose state is dropped."""
     if not policy.preempts:
         return []
-    blocked = [w for w in workers if w.free and not w.has_kv_slot]
+    # A draining worker takes no new request: freeing a slot there would serve nobody.
+    blocked = [w for w in workers if w.free and not w.has_kv_slot and not w.draining]
     if not blocked:
         return []
     req = next((r for r in waiting if r.state is RequestState.QUEUED), None)

@@ -140,6 +140,14 @@ class WorkerLeft:
     worker_id: str
 
 
+@dataclass(frozen=True)
+class WorkerDraining:
+    """The worker is shutting down (its process got SIGTERM): it takes no new request, and
+    finishes what it holds (running, decoding, suspended) before it leaves."""
+
+    worker_id: str
+
+
 Event = (
     RequestArrived
     | PrefillProgress
@@ -151,6 +159,7 @@ Event = (
     | DecodeStepDone
     | WorkerJoined
     | WorkerLeft
+    | WorkerDraining
 )
 
 # ---------------------------------------------------------------------------- commands out
@@ -212,6 +221,14 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """The worker will get no new request from now on: once it holds nothing it closes its
+    stream and exits (the answer to ``WorkerDraining``)."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True)
 class Reject:
     """The request is not accepted; ``reason`` is meant for the client. ``overload``: refused
     for load (RESOURCE_EXHAUSTED on the wire), otherwise the request itself is invalid."""
@@ -245,6 +262,7 @@ Command = (
     | PauseDecode
     | Resume
     | Cancel
+    | Drain
     | Reject
     | SetTimer
     | CancelTimer

@@ -190,6 +190,9 @@ def choose_preemptions(
     # A worker whose KV slots are all held has no room for a new request's state unless the
     # preempted request gives its own up.
     full = {w.worker_id: not w.has_kv_slot for w in workers}
+    # Where a new request may start: not on a draining worker (it takes nothing new).
+    serving = [w.worker_id for w in workers if not w.draining]
+    draining = {w.worker_id for w in workers if w.draining}
 
     chosen: list[tuple[Request, Request, bool]] = []
     for req in waiting:
@@ -200,16 +203,20 @@ def choose_preemptions(
         pinned = req.worker_id if req.state is RequestState.SUSPENDED else None
         if pinned is not None:
             target = pinned
+        elif serving:
+            target = min(serving, key=lambda wid: (free_at[wid], seq[wid]))
         else:
-            target = min(free_at, key=lambda wid: (free_at[wid], seq[wid]))
+            continue  # every worker is draining: nothing to preempt for a new request
         start = free_at[target]
         busy = estimator.prefill_left(req, now)
         picked = None
         if not rules.aged(req, now):
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
             # old batch request from evicting a premium one.
+            # Only a request whose state a draining worker holds may preempt there.
+            allowed = {wid: v for wid, v in victims.items() if wid not in draining or wid == pinned}
             picked = _pick_victim(
-                req, pinned, start - now, busy, victims, suspended, full,
+                req, pinned, start - now, busy, allowed, suspended, full,
                 policy, estimator, rules, now,
             )  # fmt: skip
         if picked is None:

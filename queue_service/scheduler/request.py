@@ -104,6 +104,8 @@ class WorkerSlot:
     riders: dict[str, None] = field(default_factory=dict)
     # The learnt time of one decode step (``DecodeStepDone``).
     decode_step_s: float = 0.0
+    # Shutting down (``WorkerDraining``): it finishes what it holds and takes nothing new.
+    draining: bool = False
 
     @property
     def free(self) -> bool:
@@ -117,5 +119,5 @@ class WorkerSlot:
 
     @property
     def has_kv_slot(self) -> bool:
-        """Room for one more request's state."""
-        return self.held < self.kv_slots
+        """Room for one more request's state (a draining worker has none)."""
+        return not self.draining and self.held < self.kv_slots

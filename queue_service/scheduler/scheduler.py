@@ -38,6 +38,7 @@ from queue_service.scheduler.events import (
     CancelTimer,
     Command,
     DecodeStepDone,
+    Drain,
     Event,
     PauseDecode,
     Preempt,
@@ -51,6 +52,7 @@ from queue_service.scheduler.events import (
     Resume,
     SetTimer,
     TimerFired,
+    WorkerDraining,
     WorkerJoined,
     WorkerLeft,
 )
@@ -178,6 +180,7 @@ class Scheduler:
             DecodeStepDone: self._on_decode_step,
             WorkerJoined: self._on_worker_joined,
             WorkerLeft: self._on_worker_left,
+            WorkerDraining: self._on_worker_draining,
         }
 
     # ------------------------------------------------------------------ entry point
@@ -243,7 +246,7 @@ class Scheduler:
         weights = dict(self._keys.active(req.tier.name, now - self.config.key_active_s))
         weights[req.key_id] = req.key_weight
         capacity_s = tier_capacity_s(
-            len(self._workers),
+            self._serving_workers(),
             req.tier.ttft_slo_s,
             self.switch_s(),
             self.prediction_errors.margin(),
@@ -388,6 +391,22 @@ class Scheduler:
             self._requests[rid].restart_from_scratch()
             self._counters["restarts"] += 1
         return self._schedule(now)
+
+    def _on_worker_draining(self, ev: WorkerDraining, now: float) -> list[Command]:
+        worker = self._workers.get(ev.worker_id)
+        if worker is None or worker.draining:
+            return []
+        # From here on it gets no Assign (``WorkerSlot.has_kv_slot``) and no preemption for a
+        # new request; what it holds runs to the end there (suspended states included: they
+        # resume on it, which costs less than a recompute elsewhere). Drain tells the worker
+        # that no new request follows, so it may leave once it holds nothing.
+        worker.draining = True
+        self._counters["drains"] += 1
+        return [Drain(worker.worker_id), *self._schedule(now)]
+
+    def _serving_workers(self) -> int:
+        """Workers that take new requests (a draining one does not)."""
+        return sum(1 for w in self._workers.values() if not w.draining)
 
     # ------------------------------------------------------------------ decisions
 
@@ -554,7 +573,7 @@ class Scheduler:
                 f"overloaded: {queued} requests of sheddable tiers already waiting (limit {limit})"
             )
         wait = planner.predicted_wait_s(
-            self._requests.values(), len(self._workers), self._estimator, now
+            self._requests.values(), self._serving_workers(), self._estimator, now
         )
         if wait > self.config.max_predicted_wait_s:
             return (
@@ -639,7 +658,7 @@ class Scheduler:
                 weights[r.key_id] = r.key_weight
         return TierLoad(
             tier=tier,
-            workers=len(self._workers),
+            workers=self._serving_workers(),
             committed_s=sum(by_key.values()),
             keys=tuple(KeyLoad(k, weights[k], by_key[k]) for k in sorted(by_key)),
             switch_s=self.switch_s(),

@@ -73,6 +73,9 @@ class RemoteWorker:
         cancel = worker_pb2.Cancel(request_id=request_id)
         self._outbox.put_nowait(worker_pb2.ControlMessage(cancel=cancel))
 
+    def drain(self) -> None:
+        self._outbox.put_nowait(worker_pb2.ControlMessage(drain=worker_pb2.Drain()))
+
 
 @dataclass
 class WorkerSession:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import grpc
 import pytest
 import torch
 
+from launch.processes import free_port, wait_serving
 from ops.topics import read_topic
 from tests.integration.load import stream_until, worker_events
 from tests.integration.processes import start_queue_service, start_worker, stop_started
@@ -157,6 +159,44 @@ def test_worker_killed_mid_prefill_request_completes_on_the_other(stack, tiny_ll
     bench = load_model("bench-llama", device="cpu", dtype=torch.float32)
     first = next(e.first_token for e in events if e.WhichOneof("event") == "first_token")
     assert first.token_id == greedy_first_token(bench.model, prompt)
+
+
+def test_sigterm_drains_a_worker_it_finishes_its_request_and_new_work_waits_for_another(stack):
+    """A rollout's SIGTERM: the request the worker holds finishes there (not rerun from
+    scratch), a request sent meanwhile is not given to it, and it exits 0 with health
+    following."""
+    qs, target = stack.queue_service("bench-llama")
+    health = free_port()
+    w1 = stack.worker(
+        target, "w1", "bench-llama", chunk_size=256,
+        extra=["--health-port", str(health), "--drain-timeout", "300"],
+    )  # fmt: skip
+    wait_serving(f"127.0.0.1:{health}", service="")  # ready: attached
+    prompt = ids(3000, seed=5)  # seconds of prefill: the SIGTERM lands while w1 holds it
+    with TierflowClient(target, tier="standard") as client:
+        stream = client.generate(prompt, max_new_tokens=8, timeout=300)
+        events = []
+        for event in stream:
+            events.append(event)
+            if event.WhichOneof("event") == "progress":
+                break
+        w1.proc.send_signal(signal.SIGTERM)
+        qs.wait_for_log("worker draining", worker_id="w1")
+        w1.wait_for_log("drain acknowledged")
+        late, late_queued = stream_until(
+            target, "critical", "late", ids(40, seed=6), until=lambda kinds: "queued" in kinds
+        )
+        assert late_queued.wait(60)
+        events.extend(stream)
+    assert kinds(events)[-1] == "done"
+    assert w1.proc.wait(120) == 0
+    w1_events = [e.get("event") for e in w1.log_events()]
+    assert w1_events.index("draining") < w1_events.index("finished")  # it held the request
+    assert "cancelling requests of the ended session" not in w1_events
+    assert worker_events([w1], "assigned") == {events[0].request_id: 1}  # never "late"
+    w2 = stack.worker(target, "w2", "bench-llama", chunk_size=256)
+    assert late.result(timeout=120).done is not None
+    assert worker_events([w2], "finished") == {"late": 1}
 
 
 def test_restart_while_queued_completes_everything_once(stack, tiny_llama):

@@ -13,6 +13,7 @@ from queue_service.scheduler import (
     Assign,
     Cancel,
     CancelTimer,
+    Drain,
     Preempt,
     PreemptionAcked,
     PrefillFinished,
@@ -28,6 +29,7 @@ from queue_service.scheduler import (
     SchedulerConfig,
     SetTimer,
     TimerFired,
+    WorkerDraining,
     WorkerJoined,
     WorkerLeft,
     make_policy,
@@ -491,6 +493,35 @@ def test_worker_left_requeues_its_running_and_suspended_requests_from_scratch():
     assert step(sched, RequestDone("s0", "w1"), 3.0) == [Assign("s", "w1")]
     assert step(sched, RequestDone("s", "w1"), 4.0) == [Assign("b", "w1")]  # not Resume
     assert step(sched, RequestDone("s", "w0"), 4.1) == []  # the gone worker's late event
+
+
+def test_a_draining_worker_is_told_once_and_is_never_preempted_for_a_new_request():
+    sched = make("chunked", workers=2)
+    arrive(sched, "b", "batch", 10_000, 0.0)  # w0
+    arrive(sched, "x", "critical", 2000, 0.0)  # w1
+    assert step(sched, WorkerDraining("w0"), 0.5) == [Drain("w0")]
+    assert step(sched, WorkerDraining("w0"), 0.6) == []
+    assert step(sched, WorkerDraining("gone"), 0.6) == []
+    # The batch prefill on w0 is the only victim, but the critical request could not start
+    # there: it waits for w1 rather than cost b its state.
+    assert arrive(sched, "c", "critical", 100, 1.0) == []
+    assert step(sched, RequestDone("x", "w1"), 2.0) == [Assign("c", "w1")]
+    assert sched.tier_load("critical", 2.1).workers == 1  # capacity counts serving workers
+
+
+def test_a_draining_worker_resumes_what_it_holds_and_queued_work_waits_for_another():
+    sched = make("chunked", workers=2)
+    arrive(sched, "b", "batch", 10_000, 0.0)  # w0
+    arrive(sched, "x", "standard", 10_000, 0.0)  # w1
+    assert arrive(sched, "s", "standard", 1000, 1.0) == [Preempt("b", "w0", False)]
+    assert step(sched, PreemptionAcked("b", "w0", 1000, False), 1.01) == [Assign("s", "w0")]
+    assert step(sched, WorkerDraining("w0"), 1.5) == [Drain("w0")]
+    assert arrive(sched, "q", "batch", 100, 1.6) == []
+    # w0 frees: its own suspended request resumes there; the queued one is not placed on it.
+    assert step(sched, RequestDone("s", "w0"), 2.0) == [Resume("b", "w0")]
+    assert step(sched, RequestDone("b", "w0"), 12.0) == []
+    assert step(sched, RequestDone("x", "w1"), 12.5) == [Assign("q", "w1")]
+    assert sched.suspended()["w0"] == () and sched.running()["w0"] is None
 
 
 def test_worker_joined_takes_queued_work_and_duplicates_are_ignored():

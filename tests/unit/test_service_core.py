@@ -37,6 +37,9 @@ class Handle:
     def cancel(self, request_id):
         self.calls.append(("cancel", request_id))
 
+    def drain(self):
+        self.calls.append(("drain",))
+
 
 def message(**event) -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(**event)

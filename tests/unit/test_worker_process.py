@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierflow.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker import wire
@@ -34,11 +35,14 @@ from worker.backoff import Backoff
 from worker.batch_engine import BatchEngine
 from worker.config import BatchConfig, EngineConfig, WorkerConfig
 from worker.events import Preempted
+from worker.health import LIVENESS
 from worker.process import WorkerProcess
 from worker.request import InvalidRequestError
 from worker.task import ResumePoint
 
 WAIT_S = 30.0
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -414,6 +418,9 @@ def test_main_attaches_and_exits_0_on_sigterm(queue_service):
         hello = session.next()
         assert hello.kind == "hello" and hello.body.worker_id == "w-main"
         proc.send_signal(signal.SIGTERM)
+        # SIGTERM drains: the worker asks for no new work and leaves once told none follows.
+        assert session.until("draining")[-1].kind == "draining"
+        session.send(drain=worker_pb2.Drain())
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -422,7 +429,93 @@ def test_main_attaches_and_exits_0_on_sigterm(queue_service):
     assert proc.returncode == 0, stderr
     lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     events = [line["event"] for line in lines if line.get("worker_id") == "w-main"]
-    assert "attached" in events and "stopped" in events
+    assert [
+        e for e in events if e in ("attached", "draining", "drain acknowledged", "stopped")
+    ] == ["attached", "draining", "drain acknowledged", "stopped"]
+
+
+# ---------------------------------------------------------------- drain and health
+
+
+def health_status(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=WAIT_S
+        )
+    return reply.status
+
+
+def wait_health(port: int, service: str, status: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while health_status(port, service) != status:
+        assert time.monotonic() < deadline, f"health of {service!r} never became {status}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def running(request, queue_service, tiny_llama):
+    """A worker run as ``python -m worker.process`` runs it (``run()``, on a thread here), with
+    a health endpoint, held inside a layer when its gate is armed; (process, exit codes). The
+    drain timeout is the test's parameter, else WAIT_S."""
+    config = WorkerConfig(
+        queue_service=queue_service.address,
+        worker_id="w-drain",
+        chunk_size=16,
+        heartbeat_interval_s=0.05,
+        drain_timeout_s=getattr(request, "param", WAIT_S),
+        health_port=0,
+    )
+    process = WorkerProcess(config, loaded_model=tiny_llama)
+    process.gate = LayerGate(tiny_llama.model.model.layers, process)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(process.run()), daemon=True)
+    thread.start()
+    yield process, codes
+    process.gate.remove()
+    process.stop()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "worker did not stop"
+
+
+def test_a_drained_worker_finishes_what_it_holds_then_leaves_and_health_follows(
+    running, queue_service
+):
+    process, codes = running
+    session = attached(queue_service)
+    port = process.health_endpoint.port
+    wait_health(port, "", SERVING)
+    wait_health(port, LIVENESS, SERVING)
+    process.gate.arm(after_layers=0)
+    session.send(assign=assign("held", prompt(20, 11), max_new_tokens=4))
+    assert process.gate.reached.wait(WAIT_S)
+
+    process.drain()  # what SIGTERM calls
+    assert session.until("draining")[-1].kind == "draining"
+    wait_health(port, "", NOT_SERVING)  # not ready any more, still alive
+    assert health_status(port, LIVENESS) == SERVING
+    session.send(drain=worker_pb2.Drain())
+    process.gate.release.set()
+    seen = session.until("done")
+    assert seen[-1].body.request_id == "held" and "cancelled" not in [r.kind for r in seen]
+    assert session.next() is None  # then it closes the stream
+    assert process.wait(WAIT_S) and codes == [0]
+    assert queue_service.sessions.empty()  # and does not dial again
+
+
+@pytest.mark.parametrize("running", [0.5], indirect=True)
+def test_a_drain_nobody_answers_stops_at_its_timeout(running, queue_service):
+    process, codes = running
+    session = attached(queue_service)
+    process.gate.arm(after_layers=0)
+    session.send(assign=assign("held", prompt(20, 12), max_new_tokens=4))
+    assert process.gate.reached.wait(WAIT_S)
+    process.drain()
+    assert session.until("draining")[-1].kind == "draining"
+    # No Drain comes: after the timeout the worker stops; what it held reruns elsewhere.
+    while (item := session.next()) is not None:
+        assert item.kind != "done"
+    assert process.wait(WAIT_S) and codes == [0]
+    assert queue_service.sessions.empty()
 
 
 # ---------------------------------------------------------------- a batched worker

@@ -223,6 +223,10 @@ class WorkerFailed(_message.Message):
     invalid_request: bool
     def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ..., invalid_request: _Optional[bool] = ...) -> None: ...
 
+class Draining(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Heartbeat(_message.Message):
     __slots__ = ("suspended_bytes", "running_request_id")
     SUSPENDED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -232,7 +236,7 @@ class Heartbeat(_message.Message):
     def __init__(self, suspended_bytes: _Optional[int] = ..., running_request_id: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "progress", "preempted", "first_token", "token", "done", "cancelled", "failed", "heartbeat", "decode_step", "decode_rejoined")
+    __slots__ = ("hello", "progress", "preempted", "first_token", "token", "done", "cancelled", "failed", "heartbeat", "decode_step", "decode_rejoined", "draining")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +248,7 @@ class WorkerMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
     DECODE_REJOINED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     progress: Progress
     preempted: Preempted
@@ -255,4 +260,5 @@ class WorkerMessage(_message.Message):
     heartbeat: Heartbeat
     decode_step: DecodeStep
     decode_rejoined: DecodeRejoined
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ..., first_token: _Optional[_Union[WorkerFirstToken, _Mapping]] = ..., token: _Optional[_Union[WorkerToken, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., cancelled: _Optional[_Union[WorkerCancelled, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., decode_step: _Optional[_Union[DecodeStep, _Mapping]] = ..., decode_rejoined: _Optional[_Union[DecodeRejoined, _Mapping]] = ...) -> None: ...
+    draining: Draining
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., preempted: _Optional[_Union[Preempted, _Mapping]] = ..., first_token: _Optional[_Union[WorkerFirstToken, _Mapping]] = ..., token: _Optional[_Union[WorkerToken, _Mapping]] = ..., done: _Optional[_Union[WorkerDone, _Mapping]] = ..., cancelled: _Optional[_Union[WorkerCancelled, _Mapping]] = ..., failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., decode_step: _Optional[_Union[DecodeStep, _Mapping]] = ..., decode_rejoined: _Optional[_Union[DecodeRejoined, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
