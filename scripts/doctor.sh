@@ -4,9 +4,9 @@
 # is. Run first by both make targets.
 #
 #   scripts/doctor.sh demo   Python 3.11+, Java 17+, Maven (until Kafka's jars are cached)
-#   scripts/doctor.sh test   the same, plus curl and Prometheus (prometheus and promtool)
+#   scripts/doctor.sh test   the same, plus curl, Prometheus (prometheus and promtool) and kubectl
 #
-# Prometheus is the one it installs itself, as scripts/prometheus.sh always has: as root with
+# Prometheus and kubectl it installs itself, as scripts/prometheus.sh always has: as root with
 # apt-get (Debian's `prometheus` package has both binaries). TIERFLOW_NO_INSTALL=1: only check.
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -71,6 +71,20 @@ check_prometheus() {  # the integration test scrapes the stack; a unit test runs
   fi
 }
 
+check_kubectl() {  # renders deploy/kubernetes/ (its kustomize) in the manifest tests
+  if ! command -v kubectl >/dev/null \
+    && [[ "${TIERFLOW_NO_INSTALL:-}" != 1 && $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "doctor: installing Debian's kubectl package (kustomize built in)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends kubectl >&2 \
+      || { apt-get update >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+        --no-install-recommends kubectl >&2; }
+  fi
+  if ! command -v kubectl >/dev/null; then
+    need "kubectl (renders the Kubernetes manifests with its kustomize; no cluster needed)" \
+      "apt-get install kubectl (or put a kubectl 1.27+ on PATH)"
+  fi
+}
+
 check_python
 check_java
 check_maven
@@ -78,6 +92,7 @@ if [[ "$mode" == test ]]; then
   command -v curl >/dev/null || need "curl (the README's curl examples run in the tests)" \
     "apt-get install curl"
   check_prometheus
+  check_kubectl
 elif [[ "$mode" != demo ]]; then
   echo "usage: scripts/doctor.sh demo|test" >&2
   exit 2

@@ -9,25 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from gateway.metrics import GatewayMetrics
-from queue_service.metrics import QueueServiceMetrics
-from worker.metrics import WorkerMetrics
+from tests.metric_names import defined_metric_names
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def defined_metric_names() -> set[str]:
-    names = set()
-    registries = [
-        QueueServiceMetrics("primary", {"critical": 0.3}).registry,
-        WorkerMetrics("primary", "w").registry,
-        GatewayMetrics("primary").registry,
-    ]
-    for registry in registries:
-        for family in registry.collect():
-            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
-            names.update(family.name + s for s in suffixes.get(family.type, ("",)))
-    return names
 
 
 def test_the_dashboard_queries_only_metrics_that_exist():
