@@ -1,20 +1,24 @@
 """The operator's loop against the real parts: the local stack (Kafka, an old and a canary queue
 service with a worker each, the gateway, Envoy) serving a known workload, a real Prometheus
-server scraping every service and Envoy, the request log read back from Kafka, and the canary
-weight changed through `tierflow canary set`.
+server scraping every service and Envoy (and answering the Kubernetes autoscaler's queries),
+the request log read back from Kafka, and the canary weight changed through `tierflow canary
+set`.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import psutil
 import pytest
+import yaml
 
 from gateway.demo_keys import DEMO_KEYS
 from launch.local_stack import LocalStack, StackConfig
@@ -24,6 +28,8 @@ from ops.records import LogRecord, iter_kafka
 from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
 
+REPO = Path(__file__).resolve().parents[2]
+SCALED_OBJECT = REPO / "deploy/kubernetes/overlays/gpu/scaledobject.yaml"
 MODEL = "tiny-llama"
 FIRST = {"critical": 4, "standard": 3, "batch": 2}  # weight 0: all to the old deployment
 THEN = {"critical": 3, "standard": 1, "batch": 1}  # weight 100: all to the canary
@@ -142,6 +148,14 @@ def check_prometheus(prom: PrometheusServer, jobs: int) -> None:
     series = prom.query('{__name__=~"tierflow_.+"}')
     assert series and all(s["metric"].get("deployment") for s in series)
     assert not any("request_id" in s["metric"] for s in series)
+    # The workers' autoscaler (KEDA's Prometheus scaler on Kubernetes) asks these: each answers
+    # one number on the real series (all requests are done: no backlog).
+    triggers = yaml.safe_load(SCALED_OBJECT.read_text())["spec"]["triggers"]
+    for query in (t["metadata"]["query"] for t in triggers):
+        got = wait_for(prom, query, "", lambda v: len(v) == 1)
+        assert len(got) == 1 and 0 <= got[""] < math.inf, (query, got)
+    backlog = prom.values(triggers[0]["metadata"]["query"], "")
+    assert triggers[0]["name"] == "critical-backlog" and backlog == {"": 0.0}
 
 
 def test_every_listener_of_the_stack_binds_loopback(stack):
