@@ -103,9 +103,8 @@ def guard_tiers(
     the guard also ranks first when its worker frees (no preempt/resume loop).
     """
     lanes = max(1, len(workers))
-    cost = {r.request_id: estimator.prefill_left(r, now) for r in (*aged, *ranked)}
     margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
-    aged_cost = sum(cost[r.request_id] for r in aged)
+    aged_cost = sum(left[r.request_id] for r in aged)
 
     def moved_forward(prefix: list[Request], req: Request) -> list[Request] | None:
         mine = left[req.request_id]
@@ -116,21 +115,23 @@ def guard_tiers(
         urgent = [
             r for r in lower if policy.holds_off(r, now, left[r.request_id], mine, margin, switch_s)
         ]
-        ahead = aged_cost + sum(cost[r.request_id] for r in (*keep, *urgent))
+        ahead = aged_cost + sum(left[r.request_id] for r in (*keep, *urgent))
         if policy.guarded(req, now, ahead / lanes, mine, margin, switch_s):
             return [*keep, req, *lower]
         rest = [r for r in lower if r not in urgent]
         return [*keep, *urgent, req, *rest] if rest else None
 
     order = list(ranked)
-    i = 0
-    while i < len(order):
-        req = order[i]
-        if any(r.tier.rank > req.tier.rank for r in order[:i]):
+    # The lowest tier (largest rank) ahead of position i: moving a request forward permutes
+    # the prefix, never changes which requests it holds, so a running maximum answers "is a
+    # lower tier ahead of it?" without walking the prefix (which made this quadratic).
+    lowest_ahead = -1
+    for i, req in enumerate(order):
+        if lowest_ahead > req.tier.rank:
             prefix = moved_forward(order[:i], req)
             if prefix is not None:
                 order[: i + 1] = prefix
-        i += 1
+        lowest_ahead = max(lowest_ahead, req.tier.rank)
     return order
 
 
