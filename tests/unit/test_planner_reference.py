@@ -77,13 +77,20 @@ requests = st.lists(
 @given(requests, st.floats(10.0, 30.0), st.integers(1, 3))
 def test_guard_tiers_decides_as_the_reference(specs, now, n_workers):
     policy = make_policy("flowprefill")
-    estimator = Estimator(PrefillTimePredictor(a=1e-3, b=0.0, c=0.0), PredictionErrors(default_margin=0.2))
+    estimator = Estimator(
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.0), PredictionErrors(default_margin=0.2)
+    )
     rules = Rules(starvation_s=300.0, max_preemptions=32, max_suspended_per_worker=4)
     reqs = [
         Request(
-            request_id=f"r{i}", tier=UNIT_TIERS[tier], arrival_s=now - ago,
-            prompt_tokens=tokens, seq=i + 1, key_id=f"k{key}", state=RequestState.QUEUED,
-        )  # fmt: skip
+            request_id=f"r{i}",
+            tier=UNIT_TIERS[tier],
+            arrival_s=now - ago,
+            prompt_tokens=tokens,
+            seq=i + 1,
+            key_id=f"k{key}",
+            state=RequestState.QUEUED,
+        )
         for i, (tier, ago, tokens, key) in enumerate(specs)
     ]
     workers = [WorkerSlot(f"w{i}", i + 1, kv_slots=8) for i in range(n_workers)]
