@@ -2,7 +2,7 @@
 against the Kubernetes schemas (kubernetes-validate, offline), and the invariants that a
 schema cannot see hold: resources on every container, Services that select pods and name
 their ports, ConfigMap and Secret keys that exist, ports that match each service's own
-flags and Envoy's configuration, only the edge exposed, a worker's grace period above its
+flags and Envoy's configuration, unprivileged containers, only the edge exposed, a worker's grace period above its
 drain timeout, and an autoscaler that queries metrics the queue service defines (checked by
 Prometheus's own promtool)."""
 
@@ -92,6 +92,16 @@ def test_every_container_has_requests_and_limits(objects):
             resources = c.get("resources", {})
             for kind in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(resources.get(kind, {})), (name, c["name"], kind)
+
+
+def test_every_container_runs_unprivileged(objects):
+    for name, pod in pod_specs(objects):
+        pod_context = pod["spec"].get("securityContext", {})
+        for c in containers(pod):
+            context = {**pod_context, **c.get("securityContext", {})}
+            assert context.get("runAsNonRoot") is True, (name, c["name"])
+            assert context.get("allowPrivilegeEscalation") is False, (name, c["name"])
+            assert context.get("capabilities", {}).get("drop") == ["ALL"], (name, c["name"])
 
 
 def test_every_service_selects_a_pod_and_its_ports_exist_there(objects):
