@@ -1,10 +1,10 @@
 """deploy/kubernetes/: both overlays render with kustomize (kubectl's own), every object is valid
 against the Kubernetes schemas (kubernetes-validate, offline), and the invariants that a
-schema cannot see hold: resources on every container, Services that select pods and name
-their ports, ConfigMap and Secret keys that exist, ports that match each service's own
-flags and Envoy's configuration, unprivileged containers, only the edge exposed, a worker's grace period above its
-drain timeout, and an autoscaler that queries metrics the queue service defines (checked by
-Prometheus's own promtool)."""
+schema cannot see hold: resources on every container, unprivileged containers, Services that
+select pods and name their ports, ConfigMap and Secret keys that exist, ports that match each
+service's own flags and Envoy's configuration, only the edge exposed, a worker's grace period
+above its drain timeout, and an autoscaler that queries metrics the queue service defines
+(checked by Prometheus's own promtool)."""
 
 from __future__ import annotations
 
