@@ -77,8 +77,11 @@ def container_ports(pod: dict) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
 
 
+CUSTOM_KINDS = ("ScaledObject", "PodMonitor")  # KEDA's and the Prometheus Operator's
+
+
 def test_every_object_is_valid_against_the_kubernetes_schemas(objects):
-    custom = of_kind(objects, "ScaledObject")
+    custom = of_kind(objects, *CUSTOM_KINDS)
     for obj in objects:
         if obj in custom:
             continue
@@ -142,8 +145,10 @@ def test_every_configmap_and_secret_key_a_pod_reads_exists(objects):
                 ref = e.get("valueFrom", {}).get("configMapKeyRef")
                 if ref:
                     assert ref["key"] in data[("ConfigMap", ref["name"])], (name, ref)
-            # Kubernetes expands $(VAR) in arguments only from the container's environment.
-            used = {v for a in c.get("args", []) for v in re.findall(r"\$\((\w+)\)", a)}
+            # Kubernetes expands $(VAR) in the command and arguments only from the container's
+            # environment ($$ is a literal $).
+            words = [*c.get("command", []), *c.get("args", [])]
+            used = {v for a in words for v in re.findall(r"(?<!\$)\$\((\w+)\)", a)}
             assert used <= defined, (name, c["name"], used - defined)
 
 
@@ -201,6 +206,33 @@ def test_every_address_a_service_dials_is_a_service_of_the_manifests(objects):
             if target:
                 host, port = target.rsplit(":", 1)
                 assert int(port) in service_port(objects, host), (name, target)
+
+
+def test_worker_n_attaches_to_queue_service_replica_n_mod_their_count(objects):
+    """Every queue-service replica gets workers: worker N dials replica N mod R, R being the
+    queue service's replica count, by the name its StatefulSet gives each pod."""
+    worker = dict(pod_specs(objects))["worker"]
+    (container,) = worker["spec"]["containers"]
+    script = " ".join(container["command"])
+    (address,) = re.findall(r"--queue-service=\"([^\"]+)\"", script)
+    assert re.fullmatch(
+        r"queue-service-\$\$\(\( \$\$\{HOSTNAME##\*-\} % TIERFLOW_QUEUE_REPLICAS \)\)"
+        r"\.queue-service:(\d+)",
+        address,
+    ), address
+    port = int(address.rsplit(":", 1)[1])
+    queue = named(objects, "StatefulSet", "queue-service")
+    assert queue["spec"]["serviceName"] == "queue-service"
+    assert port in service_port(objects, "queue-service")
+    settings = named(objects, "ConfigMap", _generated(objects, "tierflow-settings"))["data"]
+    assert int(settings["TIERFLOW_QUEUE_REPLICAS"]) == queue["spec"].get("replicas", 1)
+    assert container["command"][:2] == ["sh", "-c"] and script.split()[2] == "exec"  # PID 1
+
+
+def test_every_object_lives_in_the_namespace(objects):
+    for obj in objects:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "tierflow", obj["metadata"]["name"]
 
 
 def test_kafkas_listeners_are_its_container_ports(objects):
@@ -273,8 +305,28 @@ def test_the_gpu_overlay_holds_gpus_budgets_partitions_and_the_autoscaler():
     (scaled,) = of_kind(objects, "ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     spec = scaled["spec"]
-    assert spec["scaleTargetRef"]["name"] == "worker" and "worker" in workloads
-    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    target = spec["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == (workloads["worker"]["kind"], "worker")
+    assert "replicas" not in workloads["worker"]["spec"]  # KEDA owns it: apply must not reset it
+    # At least one worker per queue-service replica.
+    assert replicas <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    for monitor in of_kind(objects, "PodMonitor"):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        pods = [
+            pod
+            for _, pod in pod_specs(objects)
+            if _selects(monitor["spec"]["selector"], pod["metadata"]["labels"])
+        ]
+        assert pods, monitor["metadata"]["name"]
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert all(endpoint["port"] in container_ports(pod) for pod in pods), endpoint
+    monitored = {
+        pod["metadata"]["labels"]["app.kubernetes.io/name"]
+        for monitor in of_kind(objects, "PodMonitor")
+        for _, pod in pod_specs(objects)
+        if _selects(monitor["spec"]["selector"], pod["metadata"]["labels"])
+    }
+    assert "queue-service" in monitored  # what the autoscaler's queries read
     queries = [t["metadata"]["query"] for t in spec["triggers"]]
     for trigger in spec["triggers"]:
         assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
@@ -282,6 +334,17 @@ def test_the_gpu_overlay_holds_gpus_budgets_partitions_and_the_autoscaler():
     used = {m for q in queries for m in re.findall(r"\btierflow_[a-z_]+", q)}
     assert used and used <= defined_metric_names(), used - defined_metric_names()
     assert_promql_valid(queries)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels and In expressions) against a pod's labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
 
 
 def assert_promql_valid(queries: list[str]) -> None:
