@@ -155,21 +155,15 @@ class WorkerProcess:
 
     def run(self) -> int:
         self.start()
-        give_up_at: float | None = None
         # Short waits keep the calling (main) thread responsive to signals.
         while not self.wait(0.1):
-            if give_up_at is None and self._drain_asked.is_set():
-                give_up_at = time.monotonic() + self.config.drain_timeout_s
-                self._ask_to_drain()
-            elif give_up_at is not None and time.monotonic() > give_up_at:
-                with self._cond:
-                    held = sorted(self._held)
-                self._log.warning("drain timed out; stopping", requests=held)
-                self.stop()
-                give_up_at = float("inf")
+            if self._drain_asked.is_set():
+                self._drain_or_stop()
         return 0
 
-    def _ask_to_drain(self) -> None:
+    def _drain_or_stop(self) -> None:
+        """Ask the queue service for no new work, then wait for the drain to end the session;
+        past ``drain_timeout_s`` (or when not attached) stop instead."""
         with self._cond:
             session, held = self._session, len(self._held)
         if session is None:  # not attached: nothing to finish, nobody to tell
@@ -178,6 +172,14 @@ class WorkerProcess:
             return
         self._log.info("draining", requests=held, timeout_s=self.config.drain_timeout_s)
         session.send(wire.draining())
+        give_up_at = time.monotonic() + self.config.drain_timeout_s
+        while not self.wait(0.1):
+            if time.monotonic() > give_up_at:
+                with self._cond:
+                    held_ids = sorted(self._held)
+                self._log.warning("drain timed out; stopping", requests=held_ids)
+                self.stop()
+                return
 
     # ------------------------------------------------------------ control thread
 
