@@ -8,6 +8,7 @@ above its drain timeout, and an autoscaler that queries metrics the queue servic
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -32,7 +33,9 @@ OPTIONAL_UPSTREAMS = {"queue-service-canary"}
 VOLUME_SOURCES = (("ConfigMap", "configMap", "name"), ("Secret", "secret", "secretName"))
 
 
+@functools.cache
 def render(overlay: str) -> list[dict]:
+    """The overlay's objects, rendered once per test run (read-only to the tests)."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl renders the manifests (kustomize): apt-get install kubectl"
     command = [kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone"]
