@@ -32,6 +32,7 @@ from tests.integration.test_edge import demo_scoped, edge_stack, ids
 from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import REQUESTED_TIER_HEADER
+from tierflow.v1 import serving_pb2
 
 MODEL = "bench-llama"
 CAPACITY_TIERS = """
@@ -94,17 +95,21 @@ def test_two_instances_share_the_critical_tiers_committed_work(tmp_path, kafka):
             # Until the owner's load reached instance b, b cannot know the tier's capacity.
             _wait_until_downgraded(b, ids(400, seed=0))
             # r0 decodes on the owner's only KV slot; r1 (150 tokens) then waits behind it:
-            # 0.15 s of committed critical work, on whichever instance schedules it.
-            r0 = a.generate(ids(10, seed=1), max_new_tokens=1000, request_id="r0")
+            # 0.15 s of committed critical work, on whichever instance schedules it. r0 must
+            # outlast the checks below: its 1024 tokens (the most a request may ask) are about
+            # 5 s of decode here; a fixed 5 s wait once let it end first, so r1 ran and nothing
+            # was committed.
+            r0 = a.generate(ids(10, seed=1), max_new_tokens=1024, request_id="r0")
             assert queued_of(r0).tier == "critical"
             assert _next_kind(r0) in ("progress", "first_token")
             r1 = b.generate(ids(150, seed=2), max_new_tokens=1, request_id="r1")
             assert queued_of(r1).tier == "critical"
-            # Every instance has the owner's new load after a few publish periods (0.2 s); on a
-            # loaded CI machine 2 s was once not enough. Probing until downgraded instead adds
-            # each admitted probe's work until its cancel reaches the owner (tried: it then
-            # refused at standard too), hence a fixed wait.
-            time.sleep(5.0)
+            # The owner publishes r1's committed work; both instances read the same topic.
+            # (Probing until downgraded instead adds each admitted probe's work until its cancel
+            # reaches the owner: tried, it then refused at standard too.)
+            _wait_for_committed_load(settings, "critical", at_least_s=0.14)
+            time.sleep(1.0)  # five publish periods: the instances' consumers have it too
+            assert a.status("r0").state == serving_pb2.RequestStatus.RUNNING
             # 0.15 s committed + 0.2 s own (+ margin) > 0.3 s: downgraded, on either instance.
             for client, request_id in ((a, "r2"), (b, "r3")):
                 stream = client.generate(ids(200, seed=3), max_new_tokens=1, request_id=request_id)
@@ -120,6 +125,19 @@ def test_two_instances_share_the_critical_tiers_committed_work(tmp_path, kafka):
     finally:
         for proc in reversed(started):
             proc.stop()
+
+
+def _wait_for_committed_load(
+    settings: KafkaSettings, tier: str, at_least_s: float, timeout_s: float = 30.0
+) -> None:
+    """Follows the capacity topic until an owner publishes ``at_least_s`` of committed work of
+    ``tier``."""
+    deadline = time.monotonic() + timeout_s
+    for record in read_topic(settings, settings.capacity_topic, from_end=True, follow=True):
+        value = record["value"]
+        if value.get("tier") == tier and value.get("committed_s", 0.0) >= at_least_s:
+            return
+        assert time.monotonic() < deadline, f"no load of {at_least_s} s of {tier} published"
 
 
 def _next_kind(stream) -> str:
