@@ -109,7 +109,7 @@ def test_two_instances_share_the_critical_tiers_committed_work(tmp_path, kafka):
             # reaches the owner: tried, it then refused at standard too.)
             _wait_for_committed_load(settings, "critical", at_least_s=0.14)
             time.sleep(1.0)  # five publish periods: the instances' consumers have it too
-            assert a.status("r0").state == serving_pb2.RequestStatus.RUNNING
+            assert _state_on_its_owner((a, b), "r0") == serving_pb2.RequestStatus.RUNNING
             # 0.15 s committed + 0.2 s own (+ margin) > 0.3 s: downgraded, on either instance.
             for client, request_id in ((a, "r2"), (b, "r3")):
                 stream = client.generate(ids(200, seed=3), max_new_tokens=1, request_id=request_id)
@@ -138,6 +138,16 @@ def _wait_for_committed_load(
         if value.get("tier") == tier and value.get("committed_s", 0.0) >= at_least_s:
             return
         assert time.monotonic() < deadline, f"no load of {at_least_s} s of {tier} published"
+
+
+def _state_on_its_owner(clients, request_id: str) -> int:
+    """The request's state on the instance that schedules it (the others do not know it)."""
+    for client in clients:
+        try:
+            return client.status(request_id).state
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+    raise AssertionError(f"no instance knows {request_id}")
 
 
 def _next_kind(stream) -> str:
