@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from queue_service.scheduler.planner import Estimator, Rules
+from queue_service.scheduler.planner import Estimator, Rules, evictable_decodes
 from queue_service.scheduler.policies import SchedulingPolicy
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 
@@ -155,12 +155,10 @@ def slot_evictions(
     if req is None:
         return []
     candidates = [
-        requests[rid]
+        r
         for worker in blocked
-        for rid in worker.decoding
-        if requests[rid].state is RequestState.DECODING
-        and requests[rid].tier.rank > req.tier.rank
-        and rules.preemptible(requests[rid], now)
+        for r in evictable_decodes(worker, requests, rules, now)
+        if r.tier.rank > req.tier.rank
     ]
     if not candidates:
         return []

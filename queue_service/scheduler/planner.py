@@ -136,16 +136,18 @@ def guard_tiers(
 
 
 def place_on_free_workers(
-    ranked: Sequence[Request], workers: Sequence[WorkerSlot]
+    ranked: Sequence[Request], workers: Sequence[WorkerSlot], requests: Mapping[str, Request]
 ) -> list[tuple[Request, WorkerSlot]]:
     """(request, worker) pairs to start now. Workers are in join order.
 
     Each free worker gets the best candidate that can use it: a queued request (any worker) or
     a suspended one (only the worker holding its state). A worker freed by a preemption is not
     kept for the request it was preempted for: if something better arrived meanwhile, that
-    goes first, and the ranking is the same one that justified the preemption.
+    goes first, and the ranking is the same one that justified the preemption. A worker that
+    is stopping a decode waits for that ack: the slot it frees may be what the best waiting
+    request needs, and a suspended prefill resumed meanwhile would take the prefill from it.
     """
-    left = [w for w in workers if w.free]
+    left = [w for w in workers if w.free and not stopping_decode(w, requests)]
     placed: list[tuple[Request, WorkerSlot]] = []
     for req in ranked:
         if not left:
@@ -165,6 +167,19 @@ def place_on_free_workers(
     return placed
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """A running prefill to stop for a waiting request. On a worker whose KV slots are all
+    held, the beneficiary needs a slot: either the victim's state is dropped
+    (``drop_state``), or, when that would throw away more work, a decoding request of a lower
+    tier there is dropped instead (``evict``) and the victim's state is kept."""
+
+    victim: Request
+    beneficiary: Request
+    drop_state: bool
+    evict: Request | None = None
+
+
 def choose_preemptions(
     waiting: Sequence[Request],
     workers: Sequence[WorkerSlot],
@@ -173,9 +188,9 @@ def choose_preemptions(
     estimator: Estimator,
     rules: Rules,
     now: float,
-) -> list[tuple[Request, Request]]:
-    """(victim, beneficiary, drop_state): running requests to preempt, for whom, and whether
-    the victim's state is dropped (the policy's rule, or its worker's suspended states full).
+) -> list[Preemption]:
+    """Running requests to preempt, for whom, and whether the victim's state is dropped (the
+    policy's rule, or its worker's suspended states full) or a decode evicted for it.
 
     ``waiting``: the ranked requests that found no free worker. Walks them best first while
     simulating when each would start if nothing were preempted (list scheduling on the
@@ -191,11 +206,12 @@ def choose_preemptions(
     # A worker whose KV slots are all held has no room for a new request's state unless the
     # preempted request gives its own up.
     full = {w.worker_id: not w.has_kv_slot for w in workers}
+    decoding = {w.worker_id: evictable_decodes(w, requests, rules, now) for w in workers}
     # Where a new request may start: not on a draining worker (it takes nothing new).
     serving = [w.worker_id for w in workers if not w.draining]
     draining = {w.worker_id for w in workers if w.draining}
 
-    chosen: list[tuple[Request, Request, bool]] = []
+    chosen: list[Preemption] = []
     for req in waiting:
         if not victims:
             break
@@ -224,8 +240,15 @@ def choose_preemptions(
             free_at[target] = start + busy  # it would take that worker when it frees
             continue
         victim, drop = picked
-        chosen.append((victim, req, drop))
         assert victim.worker_id is not None
+        evict = None
+        if drop and not policy.drop_state and full[victim.worker_id] and pinned is None:
+            evict = _cheaper_eviction(victim, req, decoding[victim.worker_id], estimator, now)
+        if evict is not None and suspended[victim.worker_id] < rules.max_suspended_per_worker:
+            decoding[victim.worker_id].remove(evict)
+            chosen.append(Preemption(victim, req, False, evict))
+        else:
+            chosen.append(Preemption(victim, req, drop))
         del victims[victim.worker_id]
         free_at[victim.worker_id] = now + busy
     return chosen
@@ -257,6 +280,48 @@ def _busy_workers(
             if rules.preemptible(active, now):
                 victims[worker.worker_id] = active
     return free_at, victims
+
+
+def stopping_decode(worker: WorkerSlot, requests: Mapping[str, Request]) -> bool:
+    """Whether a decode on ``worker`` is being paused or dropped (its ack not yet back)."""
+    return any(
+        requests[rid].state is RequestState.PREEMPTING for rid in worker.decoding if rid in requests
+    )
+
+
+def evictable_decodes(
+    worker: WorkerSlot, requests: Mapping[str, Request], rules: Rules, now: float
+) -> list[Request]:
+    """The decoding requests whose state may be dropped to free a KV slot on ``worker``; none
+    while a decode there is being stopped already (its slot is on its way: taking a second
+    one would evict two for one newcomer)."""
+    if stopping_decode(worker, requests):
+        return []
+    held = [requests[rid] for rid in worker.decoding if rid in requests]
+    return [r for r in held if r.state is RequestState.DECODING and rules.preemptible(r, now)]
+
+
+def _cheaper_eviction(
+    victim: Request,
+    beneficiary: Request,
+    decoding: Sequence[Request],
+    estimator: Estimator,
+    now: float,
+) -> Request | None:
+    """The decode to drop instead of the victim's prefill state, if one costs less to
+    recompute than the prefill work the drop would throw away, and is of a tier below the
+    beneficiary's and no higher than the victim's: a long prefill that was nearly done is
+    not restarted from scratch to spare a short decode of the same or a lower tier."""
+    done_s = estimator.predictor.predict(victim.prompt_tokens) - estimator.prefill_left(victim, now)
+    candidates = [
+        (estimator.predictor.predict(r.prompt_tokens), r.seq, r)
+        for r in decoding
+        if r.tier.rank > beneficiary.tier.rank and r.tier.rank >= victim.tier.rank
+    ]
+    cheapest = min(candidates, default=None, key=lambda c: (c[0], c[1]))
+    if cheapest is None or cheapest[0] >= done_s:
+        return None
+    return cheapest[2]
 
 
 def _pick_victim(

@@ -422,7 +422,7 @@ class Scheduler:
         ranked = planner.rank_waiting(
             self._waiting_prefills(), self.policy, self._estimator, self._rules, now, workers
         )
-        placements = planner.place_on_free_workers(ranked, workers)
+        placements = planner.place_on_free_workers(ranked, workers, self._requests)
         for worker in workers:
             if worker.free:
                 worker.reserved_for = None  # the preemption it was marked for is over
@@ -431,7 +431,7 @@ class Scheduler:
         if self.policy.preempts:
             # Pack members started too: only what still waits may cause a preemption.
             still_waiting = [r for r in ranked if r.request_id not in placed and r.waiting]
-            for victim, beneficiary, drop in planner.choose_preemptions(
+            for chosen in planner.choose_preemptions(
                 still_waiting,
                 workers,
                 self._requests,
@@ -440,7 +440,9 @@ class Scheduler:
                 self._rules,
                 now,
             ):
-                commands += self._preempt(victim, beneficiary, drop)
+                commands += self._preempt(chosen.victim, chosen.beneficiary, chosen.drop_state)
+                if chosen.evict is not None:
+                    commands.append(self._pause_decode(chosen.evict, True))
         return commands + self._decode_pressure(ranked, workers, now) + self._reconcile_timers(now)
 
     def _waiting_prefills(self) -> list[Request]:

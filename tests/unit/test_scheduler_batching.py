@@ -151,6 +151,35 @@ def test_a_prefill_on_time_leaves_decode_alone_and_fifo_never_pauses():
     assert arrive(fifo, "c", "critical", 900, 0.2) == [Assign("c", "w0")]  # at risk, no pause
 
 
+def test_on_a_full_worker_a_cheaper_decode_is_dropped_instead_of_a_long_prefills_progress():
+    # y has 0.5 s of its prefill done; x's decode costs 0.1 s to recompute: dropping y's state
+    # would throw away five times the work (a batch request's recompute was once dropped 13
+    # times on a full worker, until its preemption bound let it block two critical requests).
+    sched = batched(kv_slots=2)
+    assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    assert arrive(sched, "y", "batch", 800, 0.2) == [Assign("y", "w0")]
+    commands = arrive(sched, "c", "critical", 100, 0.7)
+    assert commands == [Preempt("y", "w0", drop_state=False), PauseDecode("x", "w0", True)]
+    # The prefill stops first: no slot yet, and no second decode is dropped meanwhile.
+    assert step(sched, PreemptionAcked("y", "w0", 500, state_dropped=False), 0.71) == []
+    ack = PreemptionAcked("x", "w0", 100, state_dropped=True)
+    assert step(sched, ack, 0.72) == [Assign("c", "w0")]
+    assert sched.state_of("y") is RequestState.SUSPENDED  # resumes where it stopped
+    assert sched.state_of("x") is RequestState.QUEUED
+    # c decodes; y takes the prefill back where it stopped (x waits for a free slot).
+    assert first_token(sched, "c", 0.85) == [Resume("y", "w0")]
+
+
+def test_a_decode_of_a_higher_tier_than_the_victim_is_not_dropped_to_spare_it():
+    sched = batched(kv_slots=2)
+    assert arrive(sched, "x", "standard", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    assert arrive(sched, "y", "batch", 800, 0.2) == [Assign("y", "w0")]
+    commands = arrive(sched, "c", "critical", 100, 0.7)
+    assert commands == [Preempt("y", "w0", drop_state=True)]
+
+
 def test_preempting_a_prefill_on_a_full_worker_drops_its_state_to_make_room():
     # Kept, the victim's state would fill the last slot: the higher tier could not start on
     # the freed prefill, which would go straight back to the victim (a preempt/resume loop).
