@@ -71,6 +71,8 @@ def _batch_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.scale:
+        return _scale_bench(args)
     from bench.policy_bench import BATCHED_MAX_NEW_TOKENS, PolicyBenchConfig, main
     from bench.traces import TraceOptions
 
@@ -142,6 +144,18 @@ def _pool(args: argparse.Namespace) -> int:
     from bench.pooled import main
 
     main(args.runs, args.tier, args.json, args.plot)
+    return 0
+
+
+def _scale_bench(args: argparse.Namespace) -> int:
+    from bench.scale import QUICK_SWEEP, ScaleConfig, main
+
+    cfg = ScaleConfig(seed=args.seed)
+    if args.quick:
+        cfg = replace(cfg, points=QUICK_SWEEP, duration_s=1.0, drain_s=0.5)
+    if args.duration is not None:
+        cfg = replace(cfg, duration_s=args.duration)
+    main(cfg, args.json, args.plot)
     return 0
 
 
@@ -404,6 +418,11 @@ def _add_bench(sub) -> None:
         "--flood", action="store_true",
         help="one critical key floods the tier at 3x its measured capacity beside a calm key, "
         "under the shipped overflow rule, reject, and admission and fairness off (bench.flood)",
+    )  # fmt: skip
+    b.add_argument(
+        "--scale", action="store_true",
+        help="the scheduler's cost per decision on a simulated GPU fleet, in simulated time: "
+        "4-64 workers behind one instance, then 64 workers over 2-8 instances (bench.scale)",
     )  # fmt: skip
     b.add_argument("--flood-calm", type=int, help="the calm key's requests in --flood (200)")
     b.add_argument("--sustained-seeds", help="seeds of --sustained (default 0,1,2)")

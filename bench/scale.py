@@ -1,0 +1,250 @@
+"""`tierflow bench --scale`: what the scheduler costs on a GPU fleet, in simulated time.
+
+Each point runs the synthetic mix (``bench.workload.DEFAULT_MIX``'s tiers and prompt shapes,
+its rates scaled so that prefills keep the workers ``load`` busy) through ``bench.fleet``: the
+real scheduler and dispatcher per queue-service instance, simulated GPU workers
+(``GpuTiming``). Per point it reports:
+
+- the decision time per event (p50, p99), measured in wall-clock time on this machine, against
+  the mean gap between the events of one instance (simulated time): the share of its time an
+  instance spends deciding, that is the share of one core it needs;
+- how long events waited for a busy instance (p99): an instance past saturation lets them
+  queue;
+- the critical tier's TTFT (p50, p99) against the simulated hardware's own bound, the request's
+  prefill alone plus one interruption budget, and the share within the tier's SLO.
+
+The default sweep first grows the workers behind one instance, to find where it saturates,
+then holds 64 workers at 70 % load and adds instances (as many partitions per tier as
+instances, which Kafka needs to give every instance work; with one partition per tier, the
+default of ``tierflow up``, the first instance gets every tier and the others none).
+Prints a table, writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.fleet import Fleet, GpuTiming
+from bench.metrics import wilson_interval
+from bench.report import save_figure, write_json
+from bench.tables import print_table
+from bench.workload import DEFAULT_MIX, synthetic
+from tierflow.tiers import TierTable, load_tiers
+
+CRITICAL = "critical"
+
+
+@dataclass(frozen=True)
+class ScalePoint:
+    workers: int
+    instances: int = 1
+    partitions: int = 1  # per tier
+    load: float = 0.7  # the workers' prefill busy share the arrivals ask for
+    max_live: int = 256
+
+
+DEFAULT_SWEEP = (
+    ScalePoint(workers=4),
+    ScalePoint(workers=8),
+    ScalePoint(workers=16),
+    ScalePoint(workers=32),
+    ScalePoint(workers=64),
+    ScalePoint(workers=64, instances=2, partitions=2),
+    ScalePoint(workers=64, instances=4, partitions=4),
+    ScalePoint(workers=64, instances=8, partitions=8),
+    ScalePoint(workers=64, instances=4, partitions=1),  # the partitions a fleet must not keep
+)
+
+QUICK_SWEEP = (ScalePoint(workers=4), ScalePoint(workers=8, instances=2, partitions=2))
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    points: tuple[ScalePoint, ...] = DEFAULT_SWEEP
+    duration_s: float = 5.0  # simulated seconds of arrivals per point
+    drain_s: float = 2.0  # simulated seconds after the last arrival
+    max_new_tokens: int = 128
+    seed: int = 0
+    wall_limit_s: float = 300.0  # per point, on this machine
+    timing: GpuTiming = field(default_factory=GpuTiming)
+    policy: str = "flowprefill"
+
+
+def mix_for_load(timing: GpuTiming, workers: int, load: float):
+    """DEFAULT_MIX with its rates scaled so that the predicted prefill work keeps ``workers``
+    busy ``load`` of the time."""
+    work_per_s = sum(
+        m.rate_per_s * statistics.fmean(
+            timing.prefill_s(n) for n in range(m.min_tokens, m.max_tokens + 1)
+        )
+        for m in DEFAULT_MIX
+    )  # fmt: skip
+    factor = load * workers / work_per_s
+    return tuple(replace(m, rate_per_s=m.rate_per_s * factor) for m in DEFAULT_MIX)
+
+
+def run_point(point: ScalePoint, cfg: ScaleConfig, tiers: TierTable) -> dict:
+    mix = mix_for_load(cfg.timing, point.workers, point.load)
+    workload = synthetic(
+        mix, duration_s=cfg.duration_s, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens
+    )
+    fleet = Fleet(
+        tiers,
+        cfg.timing,
+        workers=point.workers,
+        instances=point.instances,
+        partitions=point.partitions,
+        policy=cfg.policy,
+        max_live=point.max_live,
+        seed=cfg.seed,
+    )
+    fleet.submit(list(workload.arrivals))
+    finished = fleet.run(cfg.duration_s + cfg.drain_s, cfg.wall_limit_s)
+    return summarize(point, fleet, tiers, cfg, finished, len(workload.arrivals))
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def summarize(
+    point: ScalePoint, fleet: Fleet, tiers: TierTable, cfg: ScaleConfig, finished: bool, n: int
+) -> dict:
+    span_s = fleet.clock.now or 1e-9
+    per_instance = []
+    for instance in fleet.instances:
+        walls = [d.wall_s for d in instance.decisions]
+        per_instance.append(
+            {
+                "instance": instance.name,
+                "events": len(walls),
+                "mean_gap_ms": span_s / len(walls) * 1e3 if walls else None,
+                "decide_p50_us": _quantile(walls, 0.5) * 1e6,
+                "decide_p99_us": _quantile(walls, 0.99) * 1e6,
+                "core_share": sum(walls) / span_s,
+                "event_wait_p99_ms": _quantile([d.waited_s for d in instance.decisions], 0.99)
+                * 1e3,
+                "live_max": max((d.live for d in instance.decisions), default=0),
+            }
+        )
+    critical = [o for o in fleet.outcomes.values() if o.tier == CRITICAL and o.arrival_s < span_s]
+    slo_s = tiers[CRITICAL].ttft_slo_s
+    ttfts, bounds, within_bound, within_slo = [], [], 0, 0
+    for o in critical:
+        bound = cfg.timing.prefill_s(o.prompt_tokens) + cfg.timing.interruption_s
+        bounds.append(bound)
+        if o.first_token_s is None:
+            continue
+        ttft = o.first_token_s - o.arrival_s
+        ttfts.append(ttft)
+        within_bound += ttft <= bound + 1e-9
+        within_slo += ttft <= slo_s
+    busiest = max(per_instance, key=lambda r: r["core_share"])
+    return {
+        "point": asdict(point),
+        "finished": finished,
+        "simulated_s": span_s,
+        "arrivals": n,
+        "arrival_rate_per_s": n / cfg.duration_s,
+        "instances": per_instance,
+        "busiest": busiest,
+        "critical": {
+            "n": len(critical),
+            "served": len(ttfts),
+            "ttft_p50_ms": _quantile(ttfts, 0.5) * 1e3,
+            "ttft_p99_ms": _quantile(ttfts, 0.99) * 1e3,
+            "bound_p99_ms": _quantile(bounds, 0.99) * 1e3,
+            "within_bound": within_bound,
+            "within_slo": within_slo,
+            "slo_interval": wilson_interval(within_slo, len(critical)),
+        },
+    }
+
+
+def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
+    table = Table(
+        title=(
+            f"Scheduler cost on a simulated fleet ({cfg.policy}, {cfg.timing.name}, "
+            f"{cfg.duration_s:g} s of arrivals a point, seed {cfg.seed})"
+        )
+    )
+    for column in (
+        "workers", "inst", "parts", "req/s", "events/s (busiest)", "decide p50/p99 us",
+        "gap ms", "core", "event wait p99 ms", "live max", "crit TTFT p50/p99 ms",
+        "bound p99 ms", "crit within bound", "crit within SLO (n, 95% CI)",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in results:
+        p, b, c = r["point"], r["busiest"], r["critical"]
+        lo, hi = c["slo_interval"]
+        cut = "" if r["finished"] else " (cut)"
+        table.add_row(
+            str(p["workers"]),
+            str(p["instances"]),
+            str(p["partitions"]),
+            f"{r['arrival_rate_per_s']:.0f}",
+            f"{b['events'] / r['simulated_s']:.0f}",
+            f"{b['decide_p50_us']:.0f}/{b['decide_p99_us']:.0f}",
+            f"{b['mean_gap_ms']:.2f}" if b["mean_gap_ms"] else "-",
+            f"{b['core_share']:.0%}{cut}",
+            f"{b['event_wait_p99_ms']:.1f}",
+            str(b["live_max"]),
+            f"{c['ttft_p50_ms']:.0f}/{c['ttft_p99_ms']:.0f}",
+            f"{c['bound_p99_ms']:.0f}",
+            f"{c['within_bound']}/{c['n']}",
+            f"{c['within_slo']}/{c['n']} ({lo:.2f}-{hi:.2f})",
+        )
+    print_table(console, table, keys=3)
+    console.print(
+        "core: the busiest instance's decision time over the simulated time, the share of one "
+        "core of this machine it needs (at 100 % it cannot keep up and events queue). "
+        "Bound: the request's own prefill plus one interruption budget "
+        f"({cfg.timing.interruption_s * 1e3:g} ms) on the simulated GPU."
+    )
+
+
+def plot(results: list[dict], path: Path) -> None:
+    from bench.report import _pyplot
+
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    single = [r for r in results if r["point"]["instances"] == 1]
+    xs = [r["point"]["workers"] for r in single]
+    left.plot(xs, [r["busiest"]["core_share"] for r in single], "o-", label="core share")
+    left.axhline(1.0, color="grey", linestyle=":")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("workers behind one instance")
+    left.set_ylabel("share of one core spent deciding")
+    left.set_title("One instance: where it saturates")
+    multi = [r for r in results if r["point"]["workers"] == 64]
+    labels = [f"{r['point']['instances']}i/{r['point']['partitions']}p" for r in multi]
+    right.bar(labels, [r["busiest"]["core_share"] for r in multi], color="tab:blue")
+    right.axhline(1.0, color="grey", linestyle=":")
+    right.set_ylabel("busiest instance's core share")
+    right.set_title("64 workers at 70 % load: instances / partitions per tier")
+    save_figure(fig, path)
+
+
+def main(cfg: ScaleConfig, json_path: Path | None, plot_path: Path | None) -> list[dict]:
+    console = Console()
+    tiers = load_tiers()
+    results = []
+    for point in cfg.points:
+        console.print(f"point {asdict(point)}")
+        results.append(run_point(point, cfg, tiers))
+    render(results, cfg, console)
+    result = {"kind": "scale", "config": asdict(cfg), "points": results}
+    write_json(result, json_path, console)
+    if plot_path is not None:
+        plot(results, plot_path)
+        console.print(f"wrote {plot_path}")
+    return results
