@@ -143,11 +143,16 @@ def place_on_free_workers(
     Each free worker gets the best candidate that can use it: a queued request (any worker) or
     a suspended one (only the worker holding its state). A worker freed by a preemption is not
     kept for the request it was preempted for: if something better arrived meanwhile, that
-    goes first, and the ranking is the same one that justified the preemption. A worker that
-    is stopping a decode waits for that ack: the slot it frees may be what the best waiting
-    request needs, and a suspended prefill resumed meanwhile would take the prefill from it.
+    goes first, and the ranking is the same one that justified the preemption. A worker whose
+    KV slots are all held while it stops a decode waits for that ack: the slot it frees is
+    what the best waiting request needs, and a suspended prefill resumed meanwhile would take
+    the prefill from it.
     """
-    left = [w for w in workers if w.free and not stopping_decode(w, requests)]
+    left = [
+        w
+        for w in workers
+        if w.free and (w.has_kv_slot or w.draining or not stopping_decode(w, requests))
+    ]
     placed: list[tuple[Request, WorkerSlot]] = []
     for req in ranked:
         if not left:
