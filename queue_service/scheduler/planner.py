@@ -10,8 +10,9 @@ it is preempted for, so that request does not cause a second preemption meanwhil
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from queue_service.scheduler.fairness import fair_order
 from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
@@ -215,6 +216,25 @@ def choose_preemptions(
     # Where a new request may start: not on a draining worker (it takes nothing new).
     serving = [w.worker_id for w in workers if not w.draining]
     draining = {w.worker_id for w in workers if w.draining}
+    open_victims = {wid: v for wid, v in victims.items() if wid not in draining}
+
+    # What every pair below reads, computed once: the victims' predicted time left, the
+    # predictor's margin, the switch time, and the serving workers by when they free (a heap:
+    # only the worker a request is placed on changes, so this is not O(workers) a request).
+    victim_left = {wid: estimator.prefill_left(v, now) for wid, v in victims.items()}
+    margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
+    by_free = [(free_at[wid], seq[wid], wid) for wid in serving]
+    heapq.heapify(by_free)
+
+    def next_free() -> str:
+        while by_free[0][0] != free_at[by_free[0][2]]:  # moved since: its newer entry counts
+            heapq.heappop(by_free)
+        return by_free[0][2]
+
+    def busy_until(wid: str, at: float) -> None:
+        free_at[wid] = at
+        if wid not in draining:
+            heapq.heappush(by_free, (at, seq[wid], wid))
 
     chosen: list[Preemption] = []
     for req in waiting:
@@ -225,24 +245,25 @@ def choose_preemptions(
         pinned = req.worker_id if req.state is RequestState.SUSPENDED else None
         if pinned is not None:
             target = pinned
+            # Only a request whose state a draining worker holds may preempt there.
+            allowed = {pinned: victims[pinned]} if pinned in victims else {}
         elif serving:
-            target = min(serving, key=lambda wid: (free_at[wid], seq[wid]))
+            target = next_free()
+            allowed = open_victims
         else:
             continue  # every worker is draining: nothing to preempt for a new request
         start = free_at[target]
         busy = estimator.prefill_left(req, now)
         picked = None
-        if not rules.aged(req, now):
+        if not rules.aged(req, now) and allowed:
             # Aged requests go first when a worker frees, but do not preempt: that keeps an
             # old batch request from evicting a premium one.
-            # Only a request whose state a draining worker holds may preempt there.
-            allowed = {wid: v for wid, v in victims.items() if wid not in draining or wid == pinned}
+            outlook = Outlook(busy, 0.0, start - now, margin, req.due, switch_s)
             picked = _pick_victim(
-                req, pinned, start - now, busy, allowed, suspended, full,
-                policy, estimator, rules, now,
-            )  # fmt: skip
+                req, pinned, outlook, allowed, victim_left, suspended, full, policy, rules, now
+            )
         if picked is None:
-            free_at[target] = start + busy  # it would take that worker when it frees
+            busy_until(target, start + busy)  # it would take that worker when it frees
             continue
         victim, drop = picked
         assert victim.worker_id is not None
@@ -255,7 +276,8 @@ def choose_preemptions(
         else:
             chosen.append(Preemption(victim, req, drop))
         del victims[victim.worker_id]
-        free_at[victim.worker_id] = now + busy
+        open_victims.pop(victim.worker_id, None)
+        busy_until(victim.worker_id, now + busy)
     return chosen
 
 
@@ -332,24 +354,19 @@ def _cheaper_eviction(
 def _pick_victim(
     req: Request,
     pinned: str | None,
-    wait_s: float,
-    busy_s: float,
+    outlook: Outlook,
     victims: Mapping[str, Request],
+    victim_left: Mapping[str, float],
     suspended: Mapping[str, int],
     full: Mapping[str, bool],
     policy: SchedulingPolicy,
-    estimator: Estimator,
     rules: Rules,
     now: float,
 ) -> tuple[Request, bool] | None:
-    """The running request to preempt for ``req``, and whether its state must be dropped."""
-    waiting_left = estimator.prefill_left(req, now)
-    margin = estimator.errors.margin()
-    switch_s = estimator.switch.p95()
+    """The running request to preempt for ``req``, and whether its state must be dropped.
+    ``outlook``: the waiting side of the policy's outlook (each victim fills in its own)."""
     eligible: list[tuple[tuple[bool, SortKey], Request, bool]] = []
     for worker_id, running in victims.items():
-        if pinned is not None and worker_id != pinned:
-            continue  # a suspended request can only run where its state is
         if running.tier is req.tier and running.key_id != req.key_id:
             # Between the keys of one tier fair order decides (``fairness``), not deadlines:
             # preempting by deadline would let the victim rank first again once the worker
@@ -368,10 +385,10 @@ def _pick_victim(
             # leave the beneficiary without one, and the freed prefill would go straight back
             # to the victim (a preempt/resume loop).
             drop = drop or (full[worker_id] and pinned is None)
-        running_left = estimator.prefill_left(running, now)
-        outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due, switch_s)
-        if policy.should_preempt(req, running, now, outlook):
-            key = policy.victim_key(running, now, running_left, busy_s)
+        running_left = victim_left[worker_id]
+        pair = replace(outlook, running_remaining_s=running_left)
+        if policy.should_preempt(req, running, now, pair):
+            key = policy.victim_key(running, now, running_left, outlook.waiting_remaining_s)
             eligible.append(((drop and not policy.drop_state, key), running, drop))
     if not eligible:
         return None
