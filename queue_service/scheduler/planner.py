@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from queue_service.scheduler.fairness import fair_order
 from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
@@ -386,7 +386,15 @@ def _pick_victim(
             # to the victim (a preempt/resume loop).
             drop = drop or (full[worker_id] and pinned is None)
         running_left = victim_left[worker_id]
-        pair = replace(outlook, running_remaining_s=running_left)
+        # Built directly: dataclasses.replace costs five times as much, in the hottest loop.
+        pair = Outlook(
+            outlook.waiting_remaining_s,
+            running_left,
+            outlook.wait_s,
+            outlook.margin,
+            outlook.due,
+            outlook.switch_s,
+        )
         if policy.should_preempt(req, running, now, pair):
             key = policy.victim_key(running, now, running_left, outlook.waiting_remaining_s)
             eligible.append(((drop and not policy.drop_state, key), running, drop))
