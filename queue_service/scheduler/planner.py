@@ -212,7 +212,8 @@ def choose_preemptions(
     # A worker whose KV slots are all held has no room for a new request's state unless the
     # preempted request gives its own up.
     full = {w.worker_id: not w.has_kv_slot for w in workers}
-    decoding = {w.worker_id: evictable_decodes(w, requests, rules, now) for w in workers}
+    by_id = {w.worker_id: w for w in workers}
+    evicted: set[str] = set()  # decodes this call already chose to drop
     # Where a new request may start: not on a draining worker (it takes nothing new).
     serving = [w.worker_id for w in workers if not w.draining]
     draining = {w.worker_id for w in workers if w.draining}
@@ -269,9 +270,12 @@ def choose_preemptions(
         assert victim.worker_id is not None
         evict = None
         if drop and not policy.drop_state and full[victim.worker_id] and pinned is None:
-            evict = _cheaper_eviction(victim, req, decoding[victim.worker_id], estimator, now)
+            # Read only here (a worker's rows are many on a GPU; most decisions drop nothing).
+            rows = evictable_decodes(by_id[victim.worker_id], requests, rules, now)
+            rows = [r for r in rows if r.request_id not in evicted]
+            evict = _cheaper_eviction(victim, req, rows, estimator, now)
         if evict is not None and suspended[victim.worker_id] < rules.max_suspended_per_worker:
-            decoding[victim.worker_id].remove(evict)
+            evicted.add(evict.request_id)
             chosen.append(Preemption(victim, req, False, evict))
         else:
             chosen.append(Preemption(victim, req, drop))
