@@ -110,6 +110,8 @@ def decode_pauses(
     pauses = []
     for worker in workers:
         rank = _risky_rank(worker, requests, estimator, now)
+        if rank == NO_RANK:
+            continue  # nothing at risk there: no row yields (the common case)
         for rid in worker.decoding:
             req = requests[rid]
             preemptible = req.state is RequestState.DECODING and rules.preemptible(req, now)

@@ -443,12 +443,15 @@ class Scheduler:
                 commands += self._preempt(chosen.victim, chosen.beneficiary, chosen.drop_state)
                 if chosen.evict is not None:
                     commands.append(self._pause_decode(chosen.evict, True))
-        return commands + self._decode_pressure(ranked, workers, now) + self._reconcile_timers(now)
+        # Still waiting, in admission order (the order of the timers' commands).
+        waiting = sorted((r for r in ranked if r.waiting), key=lambda r: r.seq)
+        pressure = self._decode_pressure(ranked, workers, now)
+        return commands + pressure + self._reconcile_timers(waiting, now)
 
     def _waiting_prefills(self) -> list[Request]:
-        """Every live request but the paused decodes: those need no prefill and are resumed by
-        ``decode_batch.decode_resumes``."""
-        return [r for r in self._requests.values() if not self._paused_decode(r)]
+        """The waiting requests but the paused decodes: those need no prefill and are resumed
+        by ``decode_batch.decode_resumes``."""
+        return [r for r in self._requests.values() if r.waiting and not self._paused_decode(r)]
 
     def _paused_decode(self, req: Request) -> bool:
         if not (req.prefilled and req.state is RequestState.SUSPENDED):
@@ -486,10 +489,9 @@ class Scheduler:
         self._counters["decode_resumes"] += 1
         return Resume(req.request_id, worker.worker_id)
 
-    def _reconcile_timers(self, now: float) -> list[Command]:
+    def _reconcile_timers(self, waiting: list[Request], now: float) -> list[Command]:
         """Arm, move or disarm wake-ups so that exactly the waiting requests that wait on a
         prediction have one, at the policy's latest start."""
-        waiting = (r for r in self._waiting_prefills() if r.waiting)
         wanted = planner.wakeups(waiting, self.policy, self._estimator, now)
         commands: list[Command] = []
         for rid in [r for r in self._timers if r not in wanted]:
