@@ -68,11 +68,14 @@ def rank_waiting(
     rules: Rules,
     now: float,
     workers: Sequence[WorkerSlot] = (),
+    left: Mapping[str, float] | None = None,
 ) -> list[Request]:
     """Waiting requests (queued or suspended), best first: aged ones, then the policy's order,
-    fair between the keys of each tier (``fairness``), corrected by its tier guard."""
+    fair between the keys of each tier (``fairness``), corrected by its tier guard. ``left``:
+    their predicted prefill time left, when the caller has it already."""
     waiting = [r for r in requests if r.waiting]
-    left = {r.request_id: estimator.prefill_left(r, now) for r in waiting}
+    if left is None:
+        left = waiting_left(waiting, estimator, now)
     aged: list[Request] = []
     fresh: list[Request] = []
     for req in waiting:
@@ -408,8 +411,18 @@ def _pick_victim(
     return victim, drop
 
 
+def waiting_left(waiting: Iterable[Request], estimator: Estimator, now: float) -> dict[str, float]:
+    """Request id -> predicted prefill time left. For a waiting request this does not move
+    with ``now``, so one decision computes it once for the ranking and the wake-ups."""
+    return {r.request_id: estimator.prefill_left(r, now) for r in waiting}
+
+
 def wakeups(
-    waiting: Iterable[Request], policy: SchedulingPolicy, estimator: Estimator, now: float
+    waiting: Iterable[Request],
+    policy: SchedulingPolicy,
+    estimator: Estimator,
+    now: float,
+    left: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Request id -> when it must be reconsidered at the latest, for requests that wait on a
     prediction (the policy's ``latest_start_s``). A request whose wake-up fired has none."""
@@ -420,8 +433,8 @@ def wakeups(
     for req in waiting:
         if req.due:
             continue
-        left = estimator.prefill_left(req, now)
-        at = policy.latest_start_s(req, now, left, margin, switch_s)
+        mine = left[req.request_id] if left is not None else estimator.prefill_left(req, now)
+        at = policy.latest_start_s(req, now, mine, margin, switch_s)
         if at is not None:
             times[req.request_id] = at
     return times

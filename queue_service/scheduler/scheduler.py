@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -419,8 +419,10 @@ class Scheduler:
                 workers, self._requests, self._estimator, now
             )
         ]
+        candidates = self._waiting_prefills()
+        left = planner.waiting_left(candidates, self._estimator, now)
         ranked = planner.rank_waiting(
-            self._waiting_prefills(), self.policy, self._estimator, self._rules, now, workers
+            candidates, self.policy, self._estimator, self._rules, now, workers, left
         )
         placements = planner.place_on_free_workers(ranked, workers, self._requests)
         for worker in workers:
@@ -446,7 +448,7 @@ class Scheduler:
         # Still waiting, in admission order (the order of the timers' commands).
         waiting = sorted((r for r in ranked if r.waiting), key=lambda r: r.seq)
         pressure = self._decode_pressure(ranked, workers, now)
-        return commands + pressure + self._reconcile_timers(waiting, now)
+        return commands + pressure + self._reconcile_timers(waiting, left, now)
 
     def _waiting_prefills(self) -> list[Request]:
         """The waiting requests but the paused decodes: those need no prefill and are resumed
@@ -489,10 +491,12 @@ class Scheduler:
         self._counters["decode_resumes"] += 1
         return Resume(req.request_id, worker.worker_id)
 
-    def _reconcile_timers(self, waiting: list[Request], now: float) -> list[Command]:
+    def _reconcile_timers(
+        self, waiting: list[Request], left: Mapping[str, float], now: float
+    ) -> list[Command]:
         """Arm, move or disarm wake-ups so that exactly the waiting requests that wait on a
         prediction have one, at the policy's latest start."""
-        wanted = planner.wakeups(waiting, self.policy, self._estimator, now)
+        wanted = planner.wakeups(waiting, self.policy, self._estimator, now, left)
         commands: list[Command] = []
         for rid in [r for r in self._timers if r not in wanted]:
             del self._timers[rid]
