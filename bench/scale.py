@@ -55,6 +55,7 @@ DEFAULT_SWEEP = (
     ScalePoint(workers=16),
     ScalePoint(workers=32),
     ScalePoint(workers=64),
+    ScalePoint(workers=64, max_live=1024),  # decoding requests count as live too
     ScalePoint(workers=64, instances=2, partitions=2),
     ScalePoint(workers=64, instances=4, partitions=4),
     ScalePoint(workers=64, instances=8, partitions=8),
@@ -178,7 +179,7 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
         )
     )
     for column in (
-        "workers", "inst", "parts", "req/s", "events/s (busiest)", "decide p50/p99 us",
+        "workers", "inst", "parts", "max live", "req/s", "events/s (busiest)", "decide p50/p99 us",
         "gap ms", "core", "event wait p99 ms", "live max", "crit TTFT p50/p99 ms",
         "bound p99 ms", "crit within bound", "crit within SLO (n, 95% CI)",
     ):  # fmt: skip
@@ -191,6 +192,7 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
             str(p["workers"]),
             str(p["instances"]),
             str(p["partitions"]),
+            str(p["max_live"]),
             f"{r['arrival_rate_per_s']:.0f}",
             f"{b['events'] / r['simulated_s']:.0f}",
             f"{b['decide_p50_us']:.0f}/{b['decide_p99_us']:.0f}",
@@ -217,7 +219,12 @@ def plot(results: list[dict], path: Path) -> None:
 
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    single = [r for r in results if r["point"]["instances"] == 1]
+    default_live = ScalePoint.max_live
+    single = [
+        r
+        for r in results
+        if r["point"]["instances"] == 1 and r["point"]["max_live"] == default_live
+    ]
     xs = [r["point"]["workers"] for r in single]
     left.plot(xs, [r["busiest"]["core_share"] for r in single], "o-", label="core share")
     left.axhline(1.0, color="grey", linestyle=":")
@@ -226,11 +233,14 @@ def plot(results: list[dict], path: Path) -> None:
     left.set_ylabel("share of one core spent deciding")
     left.set_title("One instance: where it saturates")
     multi = [r for r in results if r["point"]["workers"] == 64]
-    labels = [f"{r['point']['instances']}i/{r['point']['partitions']}p" for r in multi]
+    labels = [
+        f"{r['point']['instances']}i/{r['point']['partitions']}p/{r['point']['max_live']}"
+        for r in multi
+    ]
     right.bar(labels, [r["busiest"]["core_share"] for r in multi], color="tab:blue")
     right.axhline(1.0, color="grey", linestyle=":")
     right.set_ylabel("busiest instance's core share")
-    right.set_title("64 workers at 70 % load: instances / partitions per tier")
+    right.set_title("64 workers at 70 %: instances / partitions per tier / max_live")
     save_figure(fig, path)
 
 
