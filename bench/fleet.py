@@ -317,8 +317,12 @@ class Instance:
         timing: GpuTiming,
         policy: str,
         max_live: int,
+        charge_decisions: bool = True,
     ) -> None:
         self.name = name
+        # False: decisions take no simulated time (tests of the fleet's own behaviour, which
+        # must not depend on how loaded the machine that runs them is).
+        self.charge_decisions = charge_decisions
         self.clock = clock
         self.tiers = tiers
         self.max_live = max_live
@@ -387,7 +391,7 @@ class Instance:
             self._take()
             self._next()
 
-        self.clock.at(self.clock.now + wall_s, done)
+        self.clock.at(self.clock.now + (wall_s if self.charge_decisions else 0.0), done)
 
 
 class _DeferredHandle:
@@ -438,12 +442,13 @@ class Fleet:
         policy: str = "flowprefill",
         max_live: int = 256,
         seed: int = 0,
+        charge_decisions: bool = True,
     ) -> None:
         self.clock = Clock()
         self.timing = timing
         self.rng = random.Random(seed)
         self.instances = [
-            Instance(f"qs-{i}", self.clock, tiers, timing, policy, max_live)
+            Instance(f"qs-{i}", self.clock, tiers, timing, policy, max_live, charge_decisions)
             for i in range(instances)
         ]
         self.owners = range_assignment(partitions, instances)
