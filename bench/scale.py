@@ -22,8 +22,11 @@ Prints a table, writes JSON and a PNG.
 
 from __future__ import annotations
 
+import copy
 import math
+import random
 import statistics
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +38,14 @@ from bench.metrics import wilson_interval
 from bench.report import save_figure, write_json
 from bench.tables import print_table
 from bench.workload import DEFAULT_MIX, synthetic
+from queue_service.scheduler import (
+    PrefillTimePredictor,
+    RequestArrived,
+    Scheduler,
+    SchedulerConfig,
+    WorkerJoined,
+    make_policy,
+)
 from tierflow.tiers import TierTable, load_tiers
 
 CRITICAL = "critical"
@@ -63,11 +74,16 @@ DEFAULT_SWEEP = (
 )
 
 QUICK_SWEEP = (ScalePoint(workers=4), ScalePoint(workers=8, instances=2, partitions=2))
+QUICK_LIVES = (64,)
 
 
 @dataclass(frozen=True)
 class ScaleConfig:
     points: tuple[ScalePoint, ...] = DEFAULT_SWEEP
+    # The pure scheduler first: one more critical arrival decided with this many live
+    # requests (and how many copies of the state to time it on).
+    arrival_lives: tuple[int, ...] = (256, 1000, 3000)
+    arrival_samples: int = 50
     duration_s: float = 5.0  # simulated seconds of arrivals per point
     drain_s: float = 2.0  # simulated seconds after the last arrival
     max_new_tokens: int = 128
@@ -75,6 +91,37 @@ class ScaleConfig:
     wall_limit_s: float = 300.0  # per point, on this machine
     timing: GpuTiming = field(default_factory=GpuTiming)
     policy: str = "flowprefill"
+
+
+def arrival_cost(live: int, samples: int, policy: str = "flowprefill", seed: int = 0) -> dict:
+    """The time ``Scheduler.handle`` takes to decide one more critical arrival, with ``live``
+    requests of mixed tiers (500-4000-token prompts) waiting behind four batched workers of
+    24 KV slots: p50 and p99 over ``samples`` copies of the same state."""
+    tiers = load_tiers()
+    predictor = PrefillTimePredictor(a=1.7e-4, b=1.7e-7, c=0.075)  # bench-llama on this CPU
+    scheduler = Scheduler(make_policy(policy), tiers, predictor, SchedulerConfig())
+    for i in range(4):
+        scheduler.handle(WorkerJoined(f"w{i}", kv_slots=24, interruption_s=0.025), 0.0)
+    rng = random.Random(seed)
+    now = 0.0
+    for i in range(live):
+        tier = rng.choices(tiers.names, weights=[1, 2, 4][: len(tiers.names)])[0]
+        event = RequestArrived(f"r{i}", tier, rng.randint(500, 4000), 64, key_id=f"k{i % 7}")
+        scheduler.handle(event, now)
+        now += 0.0005
+    times = []
+    for j in range(samples):
+        state = copy.deepcopy(scheduler)
+        event = RequestArrived(f"new{j}", "critical", 120, 16, key_id="new")
+        started = time.perf_counter()
+        state.handle(event, now + 0.001)
+        times.append(time.perf_counter() - started)
+    return {
+        "live": scheduler.live_requests(),
+        "samples": samples,
+        "p50_us": _quantile(times, 0.5) * 1e6,
+        "p99_us": _quantile(times, 0.99) * 1e6,
+    }
 
 
 def mix_for_load(timing: GpuTiming, workers: int, load: float):
@@ -214,6 +261,15 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
     )
 
 
+def render_arrivals(arrivals: list[dict], cfg: ScaleConfig, console: Console) -> None:
+    table = Table(title=f"The pure scheduler ({cfg.policy}): one more critical arrival")
+    for column in ("live requests", "n", "p50 us", "p99 us"):
+        table.add_column(column, justify="right")
+    for a in arrivals:
+        table.add_row(str(a["live"]), str(a["samples"]), f"{a['p50_us']:.0f}", f"{a['p99_us']:.0f}")
+    print_table(console, table)
+
+
 def plot(results: list[dict], path: Path) -> None:
     from bench.report import _pyplot
 
@@ -247,12 +303,16 @@ def plot(results: list[dict], path: Path) -> None:
 def main(cfg: ScaleConfig, json_path: Path | None, plot_path: Path | None) -> list[dict]:
     console = Console()
     tiers = load_tiers()
+    arrivals = [
+        arrival_cost(live, cfg.arrival_samples, cfg.policy, cfg.seed) for live in cfg.arrival_lives
+    ]
+    render_arrivals(arrivals, cfg, console)
     results = []
     for point in cfg.points:
         console.print(f"point {asdict(point)}")
         results.append(run_point(point, cfg, tiers))
     render(results, cfg, console)
-    result = {"kind": "scale", "config": asdict(cfg), "points": results}
+    result = {"kind": "scale", "config": asdict(cfg), "arrival_cost": arrivals, "points": results}
     write_json(result, json_path, console)
     if plot_path is not None:
         plot(results, plot_path)

@@ -148,11 +148,13 @@ def _pool(args: argparse.Namespace) -> int:
 
 
 def _scale_bench(args: argparse.Namespace) -> int:
-    from bench.scale import QUICK_SWEEP, ScaleConfig, main
+    from bench.scale import QUICK_LIVES, QUICK_SWEEP, ScaleConfig, main
 
     cfg = ScaleConfig(seed=args.seed)
     if args.quick:
-        cfg = replace(cfg, points=QUICK_SWEEP, duration_s=1.0, drain_s=0.5)
+        cfg = replace(
+            cfg, points=QUICK_SWEEP, duration_s=1.0, drain_s=0.5, arrival_lives=QUICK_LIVES
+        )
     if args.duration is not None:
         cfg = replace(cfg, duration_s=args.duration)
     main(cfg, args.json, args.plot)

@@ -62,6 +62,8 @@ def test_the_scale_bench_writes_its_table_json_and_plot(tmp_path):
         duration_s=0.5,
         drain_s=2.0,  # decisions take their wall time here: room for a loaded CI machine
         max_new_tokens=8,
+        arrival_lives=(16,),
+        arrival_samples=5,
     )
     main(cfg, tmp_path / "scale.json", tmp_path / "scale.png")
     result = json.loads((tmp_path / "scale.json").read_text())
@@ -72,3 +74,5 @@ def test_the_scale_bench_writes_its_table_json_and_plot(tmp_path):
         assert point["critical"]["served"] == point["critical"]["n"]
         assert point["busiest"]["core_share"] > 0
     assert (tmp_path / "scale.png").stat().st_size > 0
+    (cost,) = result["arrival_cost"]
+    assert cost["live"] == 16 and cost["samples"] == 5 and 0 < cost["p50_us"] <= cost["p99_us"]
