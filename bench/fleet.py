@@ -59,7 +59,7 @@ from tierflow.tiers import TierTable
 @dataclass(frozen=True)
 class GpuTiming:
     """A simulated worker's speed: a stated assumption, not a measurement. The default is a
-    GPU on which a 2048-token chunk takes about 1.6 ms a layer (32 layers): an 8B-class model
+    GPU on which a 2048-token chunk takes about 1.9 ms a layer (32 layers): an 8B-class model
     at about 40,000 prompt tokens a second (the "millisecond or two" a layer of issue 33)."""
 
     name: str = "gpu-40k-tok-s"
