@@ -151,14 +151,21 @@ def test_a_prefill_on_time_leaves_decode_alone_and_fifo_never_pauses():
     assert arrive(fifo, "c", "critical", 900, 0.2) == [Assign("c", "w0")]  # at risk, no pause
 
 
+def full_worker(decode_tier: str) -> Scheduler:
+    """Two KV slots: x (100 tokens, of ``decode_tier``) decodes, y (a batch prefill of 800
+    tokens) runs since 0.2 s."""
+    sched = batched(kv_slots=2)
+    assert arrive(sched, "x", decode_tier, 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
+    assert first_token(sched, "x", 0.1) == []
+    assert arrive(sched, "y", "batch", 800, 0.2) == [Assign("y", "w0")]
+    return sched
+
+
 def test_on_a_full_worker_a_cheaper_decode_is_dropped_instead_of_a_long_prefills_progress():
     # y has 0.5 s of its prefill done; x's decode costs 0.1 s to recompute: dropping y's state
     # would throw away five times the work (a batch request's recompute was once dropped 13
     # times on a full worker, until its preemption bound let it block two critical requests).
-    sched = batched(kv_slots=2)
-    assert arrive(sched, "x", "batch", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
-    assert first_token(sched, "x", 0.1) == []
-    assert arrive(sched, "y", "batch", 800, 0.2) == [Assign("y", "w0")]
+    sched = full_worker(decode_tier="batch")
     commands = arrive(sched, "c", "critical", 100, 0.7)
     assert commands == [Preempt("y", "w0", drop_state=False), PauseDecode("x", "w0", True)]
     # The prefill stops first: no slot yet, and no second decode is dropped meanwhile.
@@ -172,10 +179,7 @@ def test_on_a_full_worker_a_cheaper_decode_is_dropped_instead_of_a_long_prefills
 
 
 def test_a_decode_of_a_higher_tier_than_the_victim_is_not_dropped_to_spare_it():
-    sched = batched(kv_slots=2)
-    assert arrive(sched, "x", "standard", 100, 0.0, new_tokens=300) == [Assign("x", "w0")]
-    assert first_token(sched, "x", 0.1) == []
-    assert arrive(sched, "y", "batch", 800, 0.2) == [Assign("y", "w0")]
+    sched = full_worker(decode_tier="standard")
     commands = arrive(sched, "c", "critical", 100, 0.7)
     assert commands == [Preempt("y", "w0", drop_state=True)]
 
