@@ -209,36 +209,14 @@ def choose_preemptions(
     if not policy.preempts or not workers:
         return []
     free_at, victims = _busy_workers(workers, requests, estimator, rules, now)
-    covered = {w.reserved_for for w in workers if w.reserved_for}
-    seq = {w.worker_id: w.seq for w in workers}
-    suspended = {w.worker_id: len(w.suspended) for w in workers}
-    # A worker whose KV slots are all held has no room for a new request's state unless the
-    # preempted request gives its own up.
-    full = {w.worker_id: not w.has_kv_slot for w in workers}
+    lanes = _Lanes(free_at, workers)
     by_id = {w.worker_id: w for w in workers}
-    evicted: set[str] = set()  # decodes this call already chose to drop
-    # Where a new request may start: not on a draining worker (it takes nothing new).
-    serving = [w.worker_id for w in workers if not w.draining]
-    draining = {w.worker_id for w in workers if w.draining}
-    open_victims = {wid: v for wid, v in victims.items() if wid not in draining}
-
-    # What every pair below reads, computed once: the victims' predicted time left, the
-    # predictor's margin, the switch time, and the serving workers by when they free (a heap:
-    # only the worker a request is placed on changes, so this is not O(workers) a request).
+    covered = {w.reserved_for for w in workers if w.reserved_for}
+    # A new request may not preempt on a draining worker (it takes nothing new there).
+    open_victims = {wid: v for wid, v in victims.items() if not by_id[wid].draining}
+    # What every (waiting, victim) pair reads, computed once.
     victim_left = {wid: estimator.prefill_left(v, now) for wid, v in victims.items()}
     margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
-    by_free = [(free_at[wid], seq[wid], wid) for wid in serving]
-    heapq.heapify(by_free)
-
-    def next_free() -> str:
-        while by_free[0][0] != free_at[by_free[0][2]]:  # moved since: its newer entry counts
-            heapq.heappop(by_free)
-        return by_free[0][2]
-
-    def busy_until(wid: str, at: float) -> None:
-        free_at[wid] = at
-        if wid not in draining:
-            heapq.heappush(by_free, (at, seq[wid], wid))
 
     chosen: list[Preemption] = []
     for req in waiting:
@@ -247,13 +225,10 @@ def choose_preemptions(
         if req.request_id in covered:
             continue  # a worker is being preempted for it; its start is already counted
         pinned = req.worker_id if req.state is RequestState.SUSPENDED else None
-        if pinned is not None:
-            target = pinned
-            # Only a request whose state a draining worker holds may preempt there.
-            allowed = {pinned: victims[pinned]} if pinned in victims else {}
-        elif serving:
-            target = next_free()
-            allowed = open_victims
+        if pinned is not None:  # it can only run where its state is, draining or not
+            target, allowed = pinned, ({pinned: victims[pinned]} if pinned in victims else {})
+        elif lanes:
+            target, allowed = lanes.next_free(), open_victims
         else:
             continue  # every worker is draining: nothing to preempt for a new request
         start = free_at[target]
@@ -264,28 +239,51 @@ def choose_preemptions(
             # old batch request from evicting a premium one.
             outlook = Outlook(busy, 0.0, start - now, margin, req.due, switch_s)
             picked = _pick_victim(
-                req, pinned, outlook, allowed, victim_left, suspended, full, policy, rules, now
+                req, pinned, outlook, allowed, victim_left, by_id, policy, rules, now
             )
         if picked is None:
-            busy_until(target, start + busy)  # it would take that worker when it frees
+            lanes.busy_until(target, start + busy)  # it would take that worker when it frees
             continue
         victim, drop = picked
-        assert victim.worker_id is not None
+        wid = victim.worker_id
+        assert wid is not None
         evict = None
-        if drop and not policy.drop_state and full[victim.worker_id] and pinned is None:
-            # Read only here (a worker's rows are many on a GPU; most decisions drop nothing).
-            rows = evictable_decodes(by_id[victim.worker_id], requests, rules, now)
-            rows = [r for r in rows if r.request_id not in evicted]
-            evict = _cheaper_eviction(victim, req, rows, estimator, now)
-        if evict is not None and suspended[victim.worker_id] < rules.max_suspended_per_worker:
-            evicted.add(evict.request_id)
-            chosen.append(Preemption(victim, req, False, evict))
-        else:
-            chosen.append(Preemption(victim, req, drop))
-        del victims[victim.worker_id]
-        open_victims.pop(victim.worker_id, None)
-        busy_until(victim.worker_id, now + busy)
+        if drop and not policy.drop_state and pinned is None:
+            evict = _cheaper_eviction(
+                victim, req, by_id[wid], requests, victim_left[wid], estimator, rules, now
+            )
+        chosen.append(Preemption(victim, req, drop and evict is None, evict))
+        del victims[wid]
+        open_victims.pop(wid, None)
+        lanes.busy_until(wid, now + busy)
     return chosen
+
+
+class _Lanes:
+    """The serving (not draining) workers by when their prefill frees, as the list scheduling
+    of ``choose_preemptions`` moves them: a heap whose stale entries are skipped, so finding
+    the next free worker is not a scan of every worker for every waiting request."""
+
+    def __init__(self, free_at: dict[str, float], workers: Sequence[WorkerSlot]) -> None:
+        self.free_at = free_at
+        self._seq = {w.worker_id: w.seq for w in workers}
+        self._serving = {w.worker_id for w in workers if not w.draining}
+        self._heap = [(free_at[wid], self._seq[wid], wid) for wid in self._serving]
+        heapq.heapify(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._serving)
+
+    def next_free(self) -> str:
+        """The serving worker that frees first (join order breaks ties)."""
+        while self._heap[0][0] != self.free_at[self._heap[0][2]]:  # moved: its newer entry counts
+            heapq.heappop(self._heap)
+        return self._heap[0][2]
+
+    def busy_until(self, worker_id: str, at: float) -> None:
+        self.free_at[worker_id] = at
+        if worker_id in self._serving:
+            heapq.heappush(self._heap, (at, self._seq[worker_id], worker_id))
 
 
 def _busy_workers(
@@ -318,9 +316,7 @@ def _busy_workers(
 
 def stopping_decode(worker: WorkerSlot, requests: Mapping[str, Request]) -> bool:
     """Whether a decode on ``worker`` is being paused or dropped (its ack not yet back)."""
-    return any(
-        requests[rid].state is RequestState.PREEMPTING for rid in worker.decoding if rid in requests
-    )
+    return any(requests[rid].state is RequestState.PREEMPTING for rid in worker.decoding)
 
 
 def evictable_decodes(
@@ -331,25 +327,31 @@ def evictable_decodes(
     one would evict two for one newcomer)."""
     if stopping_decode(worker, requests):
         return []
-    held = [requests[rid] for rid in worker.decoding if rid in requests]
+    held = (requests[rid] for rid in worker.decoding)
     return [r for r in held if r.state is RequestState.DECODING and rules.preemptible(r, now)]
 
 
 def _cheaper_eviction(
     victim: Request,
     beneficiary: Request,
-    decoding: Sequence[Request],
+    worker: WorkerSlot,
+    requests: Mapping[str, Request],
+    victim_left_s: float,
     estimator: Estimator,
+    rules: Rules,
     now: float,
 ) -> Request | None:
-    """The decode to drop instead of the victim's prefill state, if one costs less to
-    recompute than the prefill work the drop would throw away, and is of a tier below the
-    beneficiary's and no higher than the victim's: a long prefill that was nearly done is
-    not restarted from scratch to spare a short decode of the same or a lower tier."""
-    done_s = estimator.predictor.predict(victim.prompt_tokens) - estimator.prefill_left(victim, now)
+    """The decode to drop instead of the victim's prefill state, when the state would be
+    dropped only because ``worker``'s KV slots are all held (not for the cap on suspended
+    states): one that costs less to recompute than the prefill work the drop would throw away,
+    of a tier below the beneficiary's and no higher than the victim's. A long prefill that was
+    nearly done is not restarted from scratch to spare a short decode of its tier or below."""
+    if worker.has_kv_slot or len(worker.suspended) >= rules.max_suspended_per_worker:
+        return None
+    done_s = estimator.predictor.predict(victim.prompt_tokens) - victim_left_s
     candidates = [
         (estimator.predictor.predict(r.prompt_tokens), r.seq, r)
-        for r in decoding
+        for r in evictable_decodes(worker, requests, rules, now)
         if r.tier.rank > beneficiary.tier.rank and r.tier.rank >= victim.tier.rank
     ]
     cheapest = min(candidates, default=None, key=lambda c: (c[0], c[1]))
@@ -364,8 +366,7 @@ def _pick_victim(
     outlook: Outlook,
     victims: Mapping[str, Request],
     victim_left: Mapping[str, float],
-    suspended: Mapping[str, int],
-    full: Mapping[str, bool],
+    workers: Mapping[str, WorkerSlot],
     policy: SchedulingPolicy,
     rules: Rules,
     now: float,
@@ -386,12 +387,13 @@ def _pick_victim(
         drop = policy.drop_state
         if not drop:
             # The victim's state stays on its worker; a resumed beneficiary frees one slot.
-            held = suspended[worker_id] - (1 if pinned == worker_id else 0)
+            worker = workers[worker_id]
+            held = len(worker.suspended) - (1 if pinned == worker_id else 0)
             drop = held >= rules.max_suspended_per_worker
             # A new request needs a KV slot: on a full worker, keeping the victim's state would
             # leave the beneficiary without one, and the freed prefill would go straight back
             # to the victim (a preempt/resume loop).
-            drop = drop or (full[worker_id] and pinned is None)
+            drop = drop or (not worker.has_kv_slot and pinned is None)
         running_left = victim_left[worker_id]
         # Built directly: dataclasses.replace costs five times as much, in the hottest loop.
         pair = Outlook(

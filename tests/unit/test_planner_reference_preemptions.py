@@ -1,7 +1,8 @@
-"""``choose_preemptions`` against its earlier, plainer self (as of c24d3fc): the same decisions
-on random fleets. The reference recomputed each victim's predicted time for every waiting
-request, rebuilt the allowed victims and scanned every worker for the next free one, per
-waiting request: O(waiting x workers) for the bookkeeping alone. Kept verbatim but for names.
+"""``choose_preemptions`` against its earlier, plainer self (as of c24d3fc, with
+``_cheaper_eviction`` as it was then): the same decisions on random fleets. The reference
+recomputed each victim's predicted time for every waiting request, rebuilt the allowed victims
+and scanned every worker for the next free one, per waiting request: O(waiting x workers) for
+the bookkeeping alone. Kept verbatim but for names.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from queue_service.scheduler.planner import (
     Preemption,
     Rules,
     _busy_workers,
-    _cheaper_eviction,
     choose_preemptions,
     evictable_decodes,
     rank_waiting,
@@ -91,7 +91,8 @@ def reference_choose_preemptions(
         assert victim.worker_id is not None
         evict = None
         if drop and not policy.drop_state and full[victim.worker_id] and pinned is None:
-            evict = _cheaper_eviction(victim, req, decoding[victim.worker_id], estimator, now)
+            rows = decoding[victim.worker_id]
+            evict = reference_cheaper_eviction(victim, req, rows, estimator, now)
         if evict is not None and suspended[victim.worker_id] < rules.max_suspended_per_worker:
             decoding[victim.worker_id].remove(evict)
             chosen.append(Preemption(victim, req, False, evict))
@@ -100,6 +101,29 @@ def reference_choose_preemptions(
         del victims[victim.worker_id]
         free_at[victim.worker_id] = now + busy
     return chosen
+
+
+def reference_cheaper_eviction(
+    victim: Request,
+    beneficiary: Request,
+    decoding: Sequence[Request],
+    estimator: Estimator,
+    now: float,
+) -> Request | None:
+    """The decode to drop instead of the victim's prefill state, if one costs less to
+    recompute than the prefill work the drop would throw away, and is of a tier below the
+    beneficiary's and no higher than the victim's: a long prefill that was nearly done is
+    not restarted from scratch to spare a short decode of the same or a lower tier."""
+    done_s = estimator.predictor.predict(victim.prompt_tokens) - estimator.prefill_left(victim, now)
+    candidates = [
+        (estimator.predictor.predict(r.prompt_tokens), r.seq, r)
+        for r in decoding
+        if r.tier.rank > beneficiary.tier.rank and r.tier.rank >= victim.tier.rank
+    ]
+    cheapest = min(candidates, default=None, key=lambda c: (c[0], c[1]))
+    if cheapest is None or cheapest[0] >= done_s:
+        return None
+    return cheapest[2]
 
 
 def reference_pick_victim(
