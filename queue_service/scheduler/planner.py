@@ -424,7 +424,7 @@ def wakeups(
     policy: SchedulingPolicy,
     estimator: Estimator,
     now: float,
-    left: Mapping[str, float] | None = None,
+    left: Mapping[str, float],
 ) -> dict[str, float]:
     """Request id -> when it must be reconsidered at the latest, for requests that wait on a
     prediction (the policy's ``latest_start_s``). A request whose wake-up fired has none."""
@@ -435,8 +435,7 @@ def wakeups(
     for req in waiting:
         if req.due:
             continue
-        mine = left[req.request_id] if left is not None else estimator.prefill_left(req, now)
-        at = policy.latest_start_s(req, now, mine, margin, switch_s)
+        at = policy.latest_start_s(req, now, left[req.request_id], margin, switch_s)
         if at is not None:
             times[req.request_id] = at
     return times

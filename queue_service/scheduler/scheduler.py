@@ -430,9 +430,10 @@ class Scheduler:
                 worker.reserved_for = None  # the preemption it was marked for is over
         placed = {req.request_id for req, _ in placements}
         commands += [self._place(req, worker, ranked, placed, now) for req, worker in placements]
+        # Pack members started too: only what still waits may cause a preemption, find a slot
+        # or need a wake-up (a preemption or a pause changes no waiting request's state).
+        still_waiting = [r for r in ranked if r.waiting]
         if self.policy.preempts:
-            # Pack members started too: only what still waits may cause a preemption.
-            still_waiting = [r for r in ranked if r.request_id not in placed and r.waiting]
             for chosen in planner.choose_preemptions(
                 still_waiting,
                 workers,
@@ -445,10 +446,10 @@ class Scheduler:
                 commands += self._preempt(chosen.victim, chosen.beneficiary, chosen.drop_state)
                 if chosen.evict is not None:
                     commands.append(self._pause_decode(chosen.evict, True))
-        # Still waiting, in admission order (the order of the timers' commands).
-        waiting = sorted((r for r in ranked if r.waiting), key=lambda r: r.seq)
-        pressure = self._decode_pressure(ranked, workers, now)
-        return commands + pressure + self._reconcile_timers(waiting, left, now)
+        commands += self._decode_pressure(still_waiting, workers, now)
+        # In admission order: the order of the timers' commands.
+        by_arrival = sorted(still_waiting, key=lambda r: r.seq)
+        return commands + self._reconcile_timers(by_arrival, left, now)
 
     def _waiting_prefills(self) -> list[Request]:
         """The waiting requests but the paused decodes: those need no prefill and are resumed
@@ -460,8 +461,7 @@ class Scheduler:
             return False
         return req.worker_id in self._workers
 
-    def _decode_pressure(self, ranked, workers, now: float) -> list[Command]:
-        still_waiting = [r for r in ranked if r.waiting]
+    def _decode_pressure(self, still_waiting, workers, now: float) -> list[Command]:
         pauses = [
             self._pause_decode(victim, self.policy.drop_state)
             for victim in decode_batch.decode_pauses(
