@@ -18,6 +18,7 @@ from queue_service.scheduler.planner import (
     Preemption,
     Rules,
     _busy_workers,
+    _Lanes,
     choose_preemptions,
     evictable_decodes,
     rank_waiting,
@@ -263,3 +264,17 @@ def test_choose_preemptions_decides_as_the_reference(workers_specs, waiting_spec
         waiting = [r for r in ranked if r.waiting]
         results.append(summary(choose(waiting, workers, requests, policy, estimator, rules, now)))
     assert results[0] == results[1]
+
+
+def test_the_lanes_give_the_worker_that_frees_first_as_list_scheduling_moves_them():
+    workers = [WorkerSlot("w0", 1), WorkerSlot("w1", 2), WorkerSlot("w2", 3, draining=True)]
+    free_at = {"w0": 1.0, "w1": 1.0, "w2": 0.0}
+    lanes = _Lanes(free_at, workers)
+    assert lanes.next_free() == "w0"  # a tie goes to join order; a draining worker never
+    lanes.busy_until("w0", 3.0)
+    assert lanes.next_free() == "w1"  # w0's old entry is stale
+    lanes.busy_until("w1", 4.0)
+    assert lanes.next_free() == "w0"
+    lanes.busy_until("w2", 0.5)  # a draining worker's time moves, it is still not a lane
+    assert lanes.next_free() == "w0" and free_at["w2"] == 0.5
+    assert not _Lanes({"w2": 0.0}, [workers[2]])
