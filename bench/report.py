@@ -233,14 +233,14 @@ def latency_cdf_axis(ax, title: str) -> None:
 
 
 def save_figure(fig, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -256,7 +256,7 @@ def _null_formatter():
 
 
 def plot_ttft_cdfs(result: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     tiers = list(next(iter(result["policies"].values()))["tiers"])
     fig, axes = plt.subplots(1, len(tiers), figsize=(5 * len(tiers), 4), squeeze=False)
     for ax, tier in zip(axes[0], tiers, strict=True):

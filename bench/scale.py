@@ -23,7 +23,6 @@ Prints a table, writes JSON and a PNG.
 from __future__ import annotations
 
 import copy
-import math
 import random
 import statistics
 import time
@@ -34,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.fleet import Fleet, GpuTiming
-from bench.metrics import wilson_interval
+from bench.metrics import percentile, wilson_interval
 from bench.report import save_figure, write_json
 from bench.tables import print_table
 from bench.workload import DEFAULT_MIX, synthetic
@@ -119,8 +118,8 @@ def arrival_cost(live: int, samples: int, policy: str = "flowprefill", seed: int
     return {
         "live": scheduler.live_requests(),
         "samples": samples,
-        "p50_us": _quantile(times, 0.5) * 1e6,
-        "p99_us": _quantile(times, 0.99) * 1e6,
+        "p50_us": percentile(times, 50) * 1e6,
+        "p99_us": percentile(times, 99) * 1e6,
     }
 
 
@@ -157,13 +156,6 @@ def run_point(point: ScalePoint, cfg: ScaleConfig, tiers: TierTable) -> dict:
     return summarize(point, fleet, tiers, cfg, finished, len(workload.arrivals))
 
 
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
 def summarize(
     point: ScalePoint, fleet: Fleet, tiers: TierTable, cfg: ScaleConfig, finished: bool, n: int
 ) -> dict:
@@ -176,11 +168,10 @@ def summarize(
                 "instance": instance.name,
                 "events": len(walls),
                 "mean_gap_ms": span_s / len(walls) * 1e3 if walls else None,
-                "decide_p50_us": _quantile(walls, 0.5) * 1e6,
-                "decide_p99_us": _quantile(walls, 0.99) * 1e6,
+                "decide_p50_us": percentile(walls, 50) * 1e6,
+                "decide_p99_us": percentile(walls, 99) * 1e6,
                 "core_share": sum(walls) / span_s,
-                "event_wait_p99_ms": _quantile([d.waited_s for d in instance.decisions], 0.99)
-                * 1e3,
+                "event_wait_p99_ms": percentile([d.waited_s for d in instance.decisions], 99) * 1e3,
                 "live_max": max((d.live for d in instance.decisions), default=0),
             }
         )
@@ -208,9 +199,9 @@ def summarize(
         "critical": {
             "n": len(critical),
             "served": len(ttfts),
-            "ttft_p50_ms": _quantile(ttfts, 0.5) * 1e3,
-            "ttft_p99_ms": _quantile(ttfts, 0.99) * 1e3,
-            "bound_p99_ms": _quantile(bounds, 0.99) * 1e3,
+            "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+            "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+            "bound_p99_ms": percentile(bounds, 99) * 1e3,
             "within_bound": within_bound,
             "within_slo": within_slo,
             "slo_interval": wilson_interval(within_slo, len(critical)),
@@ -271,9 +262,9 @@ def render_arrivals(arrivals: list[dict], cfg: ScaleConfig, console: Console) ->
 
 
 def plot(results: list[dict], path: Path) -> None:
-    from bench.report import _pyplot
+    from bench.report import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     default_live = ScalePoint.max_live
     single = [
