@@ -1,4 +1,4 @@
-"""The worker's one runner: the batched engine on its own thread, commands in, events out.
+"""The worker's one runner: the batched engine's loop on one thread, commands in, events out.
 
 The scheduler (in-process in the benchmark, behind the control stream in the worker process)
 calls ``assign`` / ``assign_packed`` / ``resume`` / ``preempt`` / ``pause_decode`` / ``cancel``
@@ -31,6 +31,15 @@ thread does between commands:
 - once the engine has been idle for ``BatchConfig.kv_release_idle_s``, freed KV slots' memory
   is handed back to the OS (``KVPool.release_free``: not as each request ends, so that a
   decode step never copies K/V into pages the OS has to fault in).
+
+The engine thread is the caller's (``run``: the worker process runs it on its main thread) or
+one of the runner's own (``start``: tests, and a benchmark's second worker). On a CPU the main
+thread is the fast place: torch's OpenMP runtime keeps a team of threads for every thread that
+runs parallel ops, and once a process holds more of them than it has cores it no longer
+spin-waits between parallel regions, so each of a prefill's hundreds of small ops waits for
+threads to wake. The main thread loads the model (its team exists from then on), so an engine
+on a second thread made a short prefill 1.3-1.7x slower than the same engine on the main
+thread (docs/results.md, "The engine on the main thread").
 
 Every engine call happens on the engine thread; other threads only queue work, except that a
 preempt or cancel of the running prefill raises the preemption channel at once, from the
@@ -161,26 +170,44 @@ class BatchRunner:
         self.busy = BusyClock()
         self._listener = _Listener(self)  # it reads self.engine and self._entries
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
+        self._loop_started = threading.Event()
+        self._loop_ended = threading.Event()
+        self.engine_thread: threading.Thread | None = None  # the thread that runs the loop
 
     # ------------------------------------------------------------ commands (any thread)
 
     def start(self) -> BatchRunner:
+        """Run the engine loop on a thread of its own (``run`` runs it on the caller's)."""
         self._thread.start()
         return self
 
+    def run(self) -> None:
+        """Run the engine loop on the calling thread until ``stop``. The worker process calls
+        this from its main thread, where torch's parallel ops are fastest (module docstring)."""
+        self.engine_thread = threading.current_thread()
+        self._loop_started.set()
+        try:
+            self._loop()
+        finally:
+            self._loop_ended.set()
+
     @property
     def alive(self) -> bool:
-        """Whether the engine thread runs (it ends on stop(), or on a bug that killed it)."""
-        return self._thread.is_alive()
+        """Whether the engine loop runs (it ends on stop(), or on a bug that killed it)."""
+        return self._loop_started.is_set() and not self._loop_ended.is_set()
 
     def stop(self) -> None:
+        """End the engine loop after the commands queued before this; returns once it has
+        ended (at once when called on the engine thread, or before the loop ever started:
+        then the loop ends as soon as it starts)."""
         with self._lock:
             self._stopping = True
             if self._running:
                 self.channel.cancel()
         self._commands.put(None)
-        self._thread.join()
+        if self._loop_started.is_set() and threading.current_thread() is not self.engine_thread:
+            self._loop_ended.wait()
 
     def assign(self, request: GenerationRequest, tbt_slo_s: float | None = None) -> None:
         """Queue a request; one this runner holds already (its state was dropped) recomputes."""

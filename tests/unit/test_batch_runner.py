@@ -1,8 +1,10 @@
-"""BatchRunner: the batched engine on its thread, driven from another thread."""
+"""BatchRunner: the batched engine on its thread (its own, or the caller's), driven from
+another thread."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
@@ -113,6 +115,53 @@ def test_more_requests_than_rows_all_match_generate(tiny_llama):
         expected = reference(model, ids, 8 + i)[0]
         assert tokens[name] == expected == list(finished[name].output_ids), name
     assert runner.engine.pool.used_slots == 0 and runner.suspended_bytes == 0
+
+
+def test_run_serves_on_the_calling_thread_until_stopped_from_another(tiny_llama):
+    # The worker process runs its engine on the main thread (BatchRunner.run says why).
+    model = tiny_llama.model
+    stream = Stream()
+    engine = BatchEngine(
+        model,
+        EngineConfig(chunk_size=16, check="layer"),
+        BatchConfig(max_batch_size=2, pool_slots=2, slot_tokens=64),
+    )
+    runner = stream.runner = BatchRunner(engine, stream)
+    emitted_on: set[threading.Thread] = set()
+    emit = runner.emit
+    runner.emit = lambda event: (emitted_on.add(threading.current_thread()), emit(event))
+    ids = prompt(20, 500, seed=1)
+    ended: list[bool] = []
+
+    def client() -> None:
+        runner.assign(greedy("r", ids, 4))
+        stream.until(Finished, "r")
+        runner.stop()  # returns only once the loop on the other thread has ended
+        ended.append(not runner.alive)
+
+    other = threading.Thread(target=client)
+    other.start()
+    runner.run()
+    other.join(60)
+    assert (
+        emitted_on == {threading.current_thread()}
+        and runner.engine_thread is threading.current_thread()
+    )
+    assert ended == [True]
+
+
+def test_a_runner_stopped_before_its_loop_starts_ends_it_at_once(tiny_llama):
+    runner = BatchRunner(
+        BatchEngine(
+            tiny_llama.model,
+            EngineConfig(),
+            BatchConfig(max_batch_size=1, pool_slots=1, slot_tokens=64),
+        ),
+        lambda event: None,
+    )
+    runner.stop()  # nothing to wait for yet
+    runner.run()  # reads the stop and returns
+    assert not runner.alive
 
 
 @pytest.mark.parametrize("drop_state", [False, True])
