@@ -19,6 +19,8 @@ def _engine_bench(args: argparse.Namespace) -> int:
         return _batch_bench(args)
     if args.blocks:
         return _interruption_bench(args)
+    if args.threads:
+        return _thread_bench(args)
     from bench.engine_bench import EngineBenchConfig, main
 
     overrides = _given(
@@ -50,6 +52,20 @@ def _interruption_bench(args: argparse.Namespace) -> int:
     )
     quick = InterruptionBenchConfig.quick
     cfg = quick(**overrides) if args.quick else InterruptionBenchConfig(**overrides)
+    main(cfg, args.json, args.plot)
+    return 0
+
+
+def _thread_bench(args: argparse.Namespace) -> int:
+    from bench.thread_bench import ThreadBenchConfig, main
+
+    overrides = _given(
+        model=args.model,
+        device=args.device,
+        prompt_tokens=args.prompt_tokens,
+        rounds=args.repeats,
+    )
+    cfg = ThreadBenchConfig.quick(**overrides) if args.quick else ThreadBenchConfig(**overrides)
     main(cfg, args.json, args.plot)
     return 0
 
@@ -340,6 +356,12 @@ def _add_engine_bench(sub) -> None:
         "layers, at C=512, 2048 and the whole prompt, and the blocks' prefill slowdown",
     )
     eb.add_argument(
+        "--threads",
+        action="store_true",
+        help="where the engine runs: a short prefill on the main thread and on a second one, "
+        "bare and through the runner (why the worker runs its engine on the main thread)",
+    )
+    eb.add_argument(
         "--budget-ms", type=float, help="--blocks: the preemption budget (default: the engine's)"
     )
     eb.add_argument(
@@ -350,7 +372,7 @@ def _add_engine_bench(sub) -> None:
         type=_positive_int,
         help="--batch: prefills per TBT run, each paired with one alone (default: "
         "BatchBenchConfig.repeats in bench/batch_bench.py); --blocks: slowdown pairs per C; "
-        "more narrow the slowdown's interval",
+        "--threads: rounds (default ThreadBenchConfig.rounds); more narrow the intervals",
     )
     eb.add_argument(
         "--tbt-sweep",

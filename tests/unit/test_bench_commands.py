@@ -179,6 +179,21 @@ def test_batch_engine_bench_writes_the_promised_json_shape(tmp_path):
     assert result["max_layer_ms"] > 0 and result["decode_step_ms"] > 0
 
 
+def test_thread_bench_measures_each_way_in_a_process_of_its_own(tmp_path):
+    out, png = tmp_path / "threads.json", tmp_path / "threads.png"
+    args = ["engine-bench", "--threads", "--model", "tiny-llama", "--quick", "--prompt-tokens",
+            "32", "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result.pop("smoke_test_only") is True
+    # Two rounds of three prompts each way (after a warm-up), every time a real one.
+    assert all(len(w["samples"]) == 6 and w["min"] > 0 for w in result["ms"].values())
+    assert len(result["ms"]) == 4
+    for ratio in result["ratios"].values():
+        assert ratio["n"] == 2 and ratio["ci95"][0] <= ratio["mean"] <= ratio["ci95"][1]
+    assert png.stat().st_size > 10_000
+
+
 def test_consecutive_seeds_run_every_policy_once_in_every_position():
     policies = ("fifo", "priority", "chunked", "recompute", "flowprefill")
     orders = [run_order(policies, seed) for seed in range(3, 3 + len(policies))]
