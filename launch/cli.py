@@ -23,15 +23,8 @@ def _engine_bench(args: argparse.Namespace) -> int:
         return _thread_bench(args)
     from bench.engine_bench import EngineBenchConfig, main
 
-    overrides = _given(
-        model=args.model,
-        device=args.device,
-        prompt_tokens=args.prompt_tokens,
-        chunk_size=args.chunk_size,
-    )
-    cfg = EngineBenchConfig.quick(**overrides) if args.quick else EngineBenchConfig(**overrides)
-    main(cfg, args.json, args.plot)
-    return 0
+    given = dict(prompt_tokens=args.prompt_tokens, chunk_size=args.chunk_size)
+    return _run_engine_bench(EngineBenchConfig, main, args, **given)
 
 
 def _given(**options):
@@ -39,51 +32,45 @@ def _given(**options):
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _run_engine_bench(config_class, main, args: argparse.Namespace, **options) -> int:
+    """One engine benchmark: its config from the options given (``--quick``: its quick
+    config), then its ``main`` with the JSON and PNG paths."""
+    overrides = _given(model=args.model, device=args.device, **options)
+    cfg = config_class.quick(**overrides) if args.quick else config_class(**overrides)
+    main(cfg, args.json, args.plot)
+    return 0
+
+
 def _interruption_bench(args: argparse.Namespace) -> int:
     from bench.interruption_bench import InterruptionBenchConfig, main
 
-    overrides = _given(
-        model=args.model,
-        device=args.device,
+    given = dict(
         prompt_tokens=args.prompt_tokens,
         budget_ms=args.budget_ms,
         latency_samples=args.samples,
         slowdown_pairs=args.repeats,
     )
-    quick = InterruptionBenchConfig.quick
-    cfg = quick(**overrides) if args.quick else InterruptionBenchConfig(**overrides)
-    main(cfg, args.json, args.plot)
-    return 0
+    return _run_engine_bench(InterruptionBenchConfig, main, args, **given)
 
 
 def _thread_bench(args: argparse.Namespace) -> int:
     from bench.thread_bench import ThreadBenchConfig, main
 
-    overrides = _given(
-        model=args.model,
-        device=args.device,
-        prompt_tokens=args.prompt_tokens,
-        rounds=args.repeats,
-    )
-    cfg = ThreadBenchConfig.quick(**overrides) if args.quick else ThreadBenchConfig(**overrides)
-    main(cfg, args.json, args.plot)
-    return 0
+    given = dict(prompt_tokens=args.prompt_tokens, rounds=args.repeats)
+    return _run_engine_bench(ThreadBenchConfig, main, args, **given)
 
 
 def _batch_bench(args: argparse.Namespace) -> int:
     from bench.batch_bench import BatchBenchConfig, main
 
-    overrides = _given(
-        model=args.model,
-        device=args.device,
+    given = dict(
         prefill_tokens=args.prompt_tokens,
         prefill_chunk=args.chunk_size,
         repeats=args.repeats,
         tbt_sweep_s=args.tbt_sweep,
     )
-    cfg = BatchBenchConfig.quick(**overrides) if args.quick else BatchBenchConfig(**overrides)
-    main(cfg, args.json)
-    return 0
+    # The batch bench draws no figure: its main takes the JSON path only.
+    return _run_engine_bench(BatchBenchConfig, lambda cfg, js, _png: main(cfg, js), args, **given)
 
 
 def _bench(args: argparse.Namespace) -> int:
