@@ -1,17 +1,17 @@
 """`tierflow engine-bench --threads`: what the engine's thread costs a short prefill.
 
-The worker runs its engine loop on the process's main thread (``BatchRunner.run``) because on
-a CPU torch's parallel ops are slower on any other thread once the main thread has run some:
-libgomp keeps a team of threads per thread that runs parallel ops and, once a process holds
-more of them than it has cores, every team stops spin-waiting between parallel regions
-(docs/design.md, "The batched engine"). The slowdown is process-wide, so each way is measured
-in a fresh process of its own, which loads the model on its main thread as a worker does:
+In one long-lived process (the benchmark harness, 2026-12-05) a short prefill took 1.3-1.7x as
+long with the engine on a second thread as on the main thread, which had loaded the model; a
+cause read in libgomp's manual is that with more OpenMP threads than cores its threads stop
+spin-waiting between parallel regions. This bench measures it apart, each way in a fresh
+process of its own that loads the model on its main thread as a worker does (its first full
+run did not reproduce the difference: docs/results.md):
 
 - ``bare, main thread``: ``BatchEngine.prefill`` called on the main thread;
 - ``bare, second thread``: the same call on a second thread;
 - ``runner, main thread``: a lone request's time to its first token through ``BatchRunner.run``
-  on the main thread (what the worker process does), assigned from a client thread;
-- ``runner, own thread``: the same through ``BatchRunner.start`` (what it did before).
+  on the main thread, assigned from a client thread;
+- ``runner, own thread``: the same through ``BatchRunner.start`` (what the worker process does).
 
 A round runs each way once (a process, ``samples`` prompts after one warm-up), in an order
 that rotates from round to round so drift cancels; the ratios are of the rounds' medians,

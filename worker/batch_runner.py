@@ -32,14 +32,13 @@ thread does between commands:
   is handed back to the OS (``KVPool.release_free``: not as each request ends, so that a
   decode step never copies K/V into pages the OS has to fault in).
 
-The engine thread is the caller's (``run``: the worker process runs it on its main thread) or
-one of the runner's own (``start``: tests, and a benchmark's second worker). On a CPU the main
-thread is the fast place: torch's OpenMP runtime keeps a team of threads for every thread that
-runs parallel ops, and once a process holds more of them than it has cores it no longer
-spin-waits between parallel regions, so each of a prefill's hundreds of small ops waits for
-threads to wake. The main thread loads the model (its team exists from then on), so an engine
-on a second thread made a short prefill 1.3-1.7x slower than the same engine on the main
-thread (docs/results.md, "The engine on the main thread").
+The engine thread is the runner's own (``start``), as in the worker process, or the caller's
+(``run``: ``tierflow engine-bench --threads`` compares the two). On 2026-12-05 the engine ran on
+the worker's main thread for a few commits: a lone short prefill got faster in one process, but
+torch's OpenMP threads then spin-wait between parallel regions, and in the local stack, where
+the worker shares its cores with the queue service, Envoy and Kafka, that spinning took their
+CPU: the demo's critical requests went from 6/6 to 3/6 within their SLO (docs/results.md, "The
+engine on the main thread, and back").
 
 Every engine call happens on the engine thread; other threads only queue work, except that a
 preempt or cancel of the running prefill raises the preemption channel at once, from the
@@ -171,7 +170,6 @@ class BatchRunner:
         self._listener = _Listener(self)  # it reads self.engine and self._entries
         self.slotter = DecodeSlotter(engine, self._tbt_target, self._on_step)
         self._thread = threading.Thread(target=self.run, name=name, daemon=True)
-        self._loop_started = threading.Event()
         self._loop_ended = threading.Event()
         self.engine_thread: threading.Thread | None = None  # the thread that runs the loop
 
@@ -183,10 +181,9 @@ class BatchRunner:
         return self
 
     def run(self) -> None:
-        """Run the engine loop on the calling thread until ``stop``. The worker process calls
-        this from its main thread, where torch's parallel ops are fastest (module docstring)."""
+        """Run the engine loop on the calling thread until ``stop`` (``start`` runs it on a
+        thread of its own)."""
         self.engine_thread = threading.current_thread()
-        self._loop_started.set()
         try:
             self._loop()
         finally:
@@ -195,7 +192,7 @@ class BatchRunner:
     @property
     def alive(self) -> bool:
         """Whether the engine loop runs (it ends on stop(), or on a bug that killed it)."""
-        return self._loop_started.is_set() and not self._loop_ended.is_set()
+        return self.engine_thread is not None and not self._loop_ended.is_set()
 
     def stop(self) -> None:
         """End the engine loop after the commands queued before this; returns once it has
@@ -206,7 +203,8 @@ class BatchRunner:
             if self._running:
                 self.channel.cancel()
         self._commands.put(None)
-        if self._loop_started.is_set() and threading.current_thread() is not self.engine_thread:
+        engine_thread = self.engine_thread
+        if engine_thread is not None and threading.current_thread() is not engine_thread:
             self._loop_ended.wait()
 
     def assign(self, request: GenerationRequest, tbt_slo_s: float | None = None) -> None:
