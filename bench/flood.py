@@ -70,9 +70,11 @@ def measure_critical_capacity(model, bench: PolicyBenchConfig, predictor, cfg: F
     """Critical requests a second the run's workers serve one at a time, measured as the
     scenarios run them: ``PROBES`` lone requests of the tier's mean prompt through the same
     harness, engine, scheduler and output lengths; the capacity is the workers over their
-    median TTFT. Not the bare engine's prefill time: in the harness a short prefill takes about
-    1.3x that (its own decode steps slotted in, the harness's work beside the engine), and a
-    calm key sized on the bare engine's speed sent twice its intended share. Both are reported.
+    median TTFT. Not the bare engine's prefill time: a request through the harness also pays
+    its dispatch, its events and its own decode steps slotted in. While the engine ran on a
+    second thread, beside the main thread's OpenMP pool (``worker.batch_runner``), a short
+    prefill there took about 1.5x the bare engine's, and a calm key sized on the bare engine's
+    speed sent twice its intended share. Both are reported.
     """
     critical = DEFAULT_MIX[0]
     tokens = round((critical.min_tokens + critical.max_tokens) / 2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -267,8 +268,8 @@ class _Run:
         self.unfinished -= 1
 
     def loop(self, max_idle_s: float) -> None:
+        """The dispatcher's loop, on its own thread (``run_policy``)."""
         for worker_id, runner in self.runners.items():
-            runner.start()
             handle = InProcessWorker(runner, self.request, self.tbt_slo_s, self.log)
             engine = runner.engine.config
             budget_ms = engine.preempt_budget_ms if engine.check == "block" else None
@@ -281,6 +282,8 @@ class _Run:
             except queue.Empty:
                 self._due(max_idle_s)
                 continue
+            if event is None:
+                raise RuntimeError(f"the engine of {worker_id} failed")
             self._record(event)
             scheduler_event_ = scheduler_event(worker_id, event)
             if scheduler_event_ is not None:
@@ -412,7 +415,7 @@ def run_policy(
     ``stop_when_idle``, ends the run with those requests in ``RunResult.stuck`` (lost)."""
     run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log, admission)
     try:
-        run.loop(max_idle_s)
+        _drive(run, max_idle_s)
     except TimeoutError:
         if not stop_when_idle:
             raise
@@ -420,3 +423,32 @@ def run_policy(
     finally:
         result = run.finish()
     return result
+
+
+def _drive(run: _Run, max_idle_s: float) -> None:
+    """The first worker's engine on this thread, as the worker process runs it on its main
+    thread (``BatchRunner.run`` says why: on a second thread a short prefill took 1.3-1.7x
+    as long); the dispatcher's loop, and any further worker, on threads of their own. The
+    loop's error, if any, is raised here."""
+    (first_id, first), *others = run.runners.items()
+    for _, runner in others:
+        runner.start()
+    failure: list[BaseException] = []
+
+    def dispatch() -> None:
+        try:
+            run.loop(max_idle_s)
+        except BaseException as exc:  # raised on the calling thread below
+            failure.append(exc)
+        finally:
+            first.stop()  # ends first.run()
+
+    dispatcher = threading.Thread(target=dispatch, name="dispatcher", daemon=True)
+    dispatcher.start()
+    try:
+        first.run()
+    finally:
+        run.events.put((first_id, None))  # wakes the loop if the engine failed
+        dispatcher.join()
+    if failure:
+        raise failure[0]

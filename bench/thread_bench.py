@@ -1,17 +1,21 @@
 """`tierflow engine-bench --threads`: what the engine's thread costs a short prefill.
 
-In one long-lived process (the benchmark harness, 2026-12-05) a short prefill took 1.3-1.7x as
-long with the engine on a second thread as on the main thread, which had loaded the model; a
-cause read in libgomp's manual is that with more OpenMP threads than cores its threads stop
-spin-waiting between parallel regions. This bench measures it apart, each way in a fresh
-process of its own that loads the model on its main thread as a worker does (its first full
-run did not reproduce the difference: docs/results.md):
+torch's OpenMP runtime (libgomp) keeps a pool of threads for every thread that runs parallel
+ops, for as long as that thread lives. A worker builds its engine on the main thread, which
+runs some parallel ops and so makes the main thread's pool; an engine that then runs on a
+second thread makes a second pool, and with more OpenMP threads than cores libgomp stops
+spin-waiting between parallel regions. This bench measures what that costs, each way in a
+fresh process of its own that loads the model and builds the engine on its main thread as the
+worker process does (``WorkerConfig``'s defaults):
 
 - ``bare, main thread``: ``BatchEngine.prefill`` called on the main thread;
 - ``bare, second thread``: the same call on a second thread;
 - ``runner, main thread``: a lone request's time to its first token through ``BatchRunner.run``
-  on the main thread, assigned from a client thread;
-- ``runner, own thread``: the same through ``BatchRunner.start`` (what the worker process does).
+  on the main thread, assigned from a client thread (what the worker process does);
+- ``runner, own thread``: the same through ``BatchRunner.start``.
+
+Its first version built an engine with one slot of the prompt's length, which runs no parallel
+op on the main thread, and found no difference (docs/results.md).
 
 A round runs each way once (a process, ``samples`` prompts after one warm-up), in an order
 that rotates from round to round so drift cancels; the ratios are of the rounds' medians,
@@ -40,7 +44,7 @@ from bench.metrics import mean_interval
 from bench.report import finish, save_figure
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
-from worker.config import BatchConfig, EngineConfig
+from worker.config import WorkerConfig
 from worker.events import Finished, FirstToken
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
@@ -78,7 +82,8 @@ def measure_way(cfg: ThreadBenchConfig, way: str) -> list[float]:
     model = load_model(cfg.model, device=cfg.device).model  # on the main thread, as a worker
     rng = random.Random(cfg.seed)
     ids = tuple(rng.randrange(3, model.config.vocab_size) for _ in range(cfg.prompt_tokens))
-    engine = BatchEngine(model, EngineConfig(), BatchConfig(1, 1, slot_tokens=len(ids) + 2))
+    worker = WorkerConfig(queue_service="unused", model=cfg.model, device=cfg.device)
+    engine = BatchEngine(model, worker.engine_config(), worker.batch_config())  # as a worker's
     requests = (GenerationRequest(f"r{i}", ids, max_new_tokens=1) for i in range(cfg.samples + 1))
     match way:
         case "bare, main thread":

@@ -213,6 +213,9 @@ class LocalStack:
                 "--metrics-port", self._metrics_port(worker_id),
                 *pin,
             ),
+            # Every service of this stack shares the machine's cores: the worker's OpenMP
+            # threads must sleep between parallel regions, not spin (worker.batch_runner).
+            OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
         )  # fmt: skip
         proc.wait_for_log("attached", timeout=600)  # the first SmolLM2 load converts its GGUF
 

@@ -32,13 +32,18 @@ thread does between commands:
   is handed back to the OS (``KVPool.release_free``: not as each request ends, so that a
   decode step never copies K/V into pages the OS has to fault in).
 
-The engine thread is the runner's own (``start``), as in the worker process, or the caller's
-(``run``: ``tierflow engine-bench --threads`` compares the two). On 2026-12-05 the engine ran on
-the worker's main thread for a few commits: a lone short prefill got faster in one process, but
-torch's OpenMP threads then spin-wait between parallel regions, and in the local stack, where
-the worker shares its cores with the queue service, Envoy and Kafka, that spinning took their
-CPU: the demo's critical requests went from 6/6 to 3/6 within their SLO (docs/results.md, "The
-engine on the main thread, and back").
+The engine thread is the caller's (``run``: the worker process runs it on its main thread,
+the one that loaded the model) or one of the runner's own (``start``: tests, and a benchmark's
+further workers). On a CPU this matters. torch's OpenMP runtime (libgomp) keeps a pool of
+threads for every thread that runs parallel ops, and a pool lives as long as its thread. The
+worker's main thread has one from the moment it builds the engine (some of that is parallel
+work). An engine on a second thread then makes a second pool, the pools' threads
+outnumber two cores, and libgomp stops spin-waiting between parallel regions, so each of a
+prefill's hundreds of small ops waits for its threads to wake: a lone 85-token prefill took
+1.5x as long (docs/results.md, "One OpenMP pool per worker"). With one pool its threads do
+spin between regions, which takes CPU from other processes on the same cores; the local stack,
+where every service shares the machine, starts its workers with ``OMP_WAIT_POLICY=PASSIVE``
+(``launch.local_stack``).
 
 Every engine call happens on the engine thread; other threads only queue work, except that a
 preempt or cancel of the running prefill raises the preemption channel at once, from the
@@ -181,8 +186,9 @@ class BatchRunner:
         return self
 
     def run(self) -> None:
-        """Run the engine loop on the calling thread until ``stop`` (``start`` runs it on a
-        thread of its own)."""
+        """Run the engine loop on the calling thread until ``stop``. The worker process calls
+        this from its main thread, which holds torch's only OpenMP pool (module docstring);
+        ``start`` runs it on a thread of its own."""
         self.engine_thread = threading.current_thread()
         try:
             self._loop()

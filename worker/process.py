@@ -9,10 +9,15 @@ time), and dials ``WorkerControl.Attach``. Threads:
   runner the moment each arrives. A ``Preempt`` raises the engine's preemption flag from this
   thread (``BatchRunner.preempt``): no queue stands between the wire and the layer loop, which
   reads the flag at its next boundary.
-* the engine thread (the runner's) reports what it did through ``_on_event``; each event is
+* the engine thread reports what it did through ``_on_event``; each event is
   converted by ``worker.wire`` and queued on the session's outgoing queue, which the stream's
   request iterator drains (gRPC sends it from its own thread).
 * a heartbeat thread per session reports suspended bytes and the running request.
+
+``run`` (the worker's command) runs the engine on the main thread, the one that loaded the
+model, and watches for a drain on a thread of its own: on a CPU, torch's parallel ops are
+slower on any other thread once the main thread has run some (``worker.batch_runner``).
+``start`` runs everything on threads, for tests that hold a worker in their own process.
 
 If the stream breaks, everything the engine holds is cancelled and freed before the worker
 dials again: the queue service re-queues those requests when it sees the worker leave, and a
@@ -101,7 +106,13 @@ class WorkerProcess:
     # ------------------------------------------------------------ lifecycle (any thread)
 
     def start(self) -> WorkerProcess:
+        """Start the worker with its engine on a thread of its own; returns at once."""
         self.runner.start()
+        self._start_services()
+        return self
+
+    def _start_services(self) -> None:
+        """Everything but the engine loop: metrics, health, the control thread."""
         self.metrics.start_sampling(
             lambda: self.runner.running_request_id,
             self.runner.busy.seconds,
@@ -117,7 +128,6 @@ class WorkerProcess:
                 self.config.health_host, self.config.health_port, self.ready, self.alive
             ).start()
         self._thread.start()
-        return self
 
     def ready(self) -> bool:
         """Attached to a queue service, and not shutting down (``worker.health``)."""
@@ -154,12 +164,21 @@ class WorkerProcess:
         self._drain_asked.set()
 
     def run(self) -> int:
-        self.start()
-        # Short waits keep the calling (main) thread responsive to signals.
+        """The worker's command: the engine loop on this (the main) thread until the worker
+        stops; a second thread turns a SIGTERM's ``drain`` into a drain of the session."""
+        self._start_services()
+        threading.Thread(target=self._watch_for_drain, name="worker-drain", daemon=True).start()
+        try:
+            self.runner.run()  # returns once the control loop stops it
+        finally:
+            self.stop()  # after an engine bug, ends the control loop too (else a no-op)
+            self.wait()
+        return 0
+
+    def _watch_for_drain(self) -> None:
         while not self.wait(0.1):
             if self._drain_asked.is_set():
                 self._drain_or_stop()
-        return 0
 
     def _drain_or_stop(self) -> None:
         """Ask the queue service for no new work, then wait for the drain to end the session;

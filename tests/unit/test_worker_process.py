@@ -455,8 +455,9 @@ def wait_health(port: int, service: str, status: int) -> None:
 @pytest.fixture
 def running(request, queue_service, tiny_llama):
     """A worker run as ``python -m worker.process`` runs it (``run()``, on a thread here), with
-    a health endpoint, held inside a layer when its gate is armed; (process, exit codes). The
-    drain timeout is the test's parameter, else WAIT_S."""
+    a health endpoint, held inside a layer when its gate is armed; (process, exit_codes:
+    waits for ``run()`` to return and gives what it returned). The drain timeout is the
+    test's parameter, else WAIT_S."""
     config = WorkerConfig(
         queue_service=queue_service.address,
         worker_id="w-drain",
@@ -468,9 +469,16 @@ def running(request, queue_service, tiny_llama):
     process = WorkerProcess(config, loaded_model=tiny_llama)
     process.gate = LayerGate(tiny_llama.model.model.layers, process)
     codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(process.run()), daemon=True)
+    thread = threading.Thread(
+        target=lambda: codes.append(process.run()), name="worker-main", daemon=True
+    )
     thread.start()
-    yield process, codes
+
+    def exit_codes() -> list[int]:
+        thread.join(WAIT_S)
+        return codes
+
+    yield process, exit_codes
     process.gate.remove()
     process.stop()
     thread.join(WAIT_S)
@@ -480,7 +488,7 @@ def running(request, queue_service, tiny_llama):
 def test_a_drained_worker_finishes_what_it_holds_then_leaves_and_health_follows(
     running, queue_service
 ):
-    process, codes = running
+    process, exit_codes = running
     session = attached(queue_service)
     port = process.health_endpoint.port
     wait_health(port, "", SERVING)
@@ -489,6 +497,7 @@ def test_a_drained_worker_finishes_what_it_holds_then_leaves_and_health_follows(
     session.send(assign=assign("held", prompt(20, 11), max_new_tokens=4))
     assert process.gate.reached.wait(WAIT_S)
 
+    assert process.runner.engine_thread.name == "worker-main"  # run() serves on its caller
     process.drain()  # what SIGTERM calls
     assert session.until("draining")[-1].kind == "draining"
     wait_health(port, "", NOT_SERVING)  # not ready any more, still alive
@@ -498,13 +507,13 @@ def test_a_drained_worker_finishes_what_it_holds_then_leaves_and_health_follows(
     seen = session.until("done")
     assert seen[-1].body.request_id == "held" and "cancelled" not in [r.kind for r in seen]
     assert session.next() is None  # then it closes the stream
-    assert process.wait(WAIT_S) and codes == [0]
+    assert process.wait(WAIT_S) and exit_codes() == [0]
     assert queue_service.sessions.empty()  # and does not dial again
 
 
 @pytest.mark.parametrize("running", [0.5], indirect=True)
 def test_a_drain_nobody_answers_stops_at_its_timeout(running, queue_service):
-    process, codes = running
+    process, exit_codes = running
     session = attached(queue_service)
     process.gate.arm(after_layers=0)
     session.send(assign=assign("held", prompt(20, 12), max_new_tokens=4))
@@ -514,7 +523,7 @@ def test_a_drain_nobody_answers_stops_at_its_timeout(running, queue_service):
     # No Drain comes: after the timeout the worker stops; what it held reruns elsewhere.
     while (item := session.next()) is not None:
         assert item.kind != "done"
-    assert process.wait(WAIT_S) and codes == [0]
+    assert process.wait(WAIT_S) and exit_codes() == [0]
     assert queue_service.sessions.empty()
 
 
