@@ -19,6 +19,18 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Writes to ``sys.stderr`` as it is at each write, not as it was at set-up: whatever
+    replaces it later (a test runner capturing one test's output, then closing that file) must
+    not leave every later log call, on any thread, raising on a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(*, json: bool | None = None, level: str | None = None) -> None:
     """Configure structlog and the stdlib root logger. Later calls are no-ops."""
     global _configured
@@ -39,11 +51,11 @@ def configure_logging(*, json: bool | None = None, level: str | None = None) -> 
     structlog.configure(
         processors=[structlog.contextvars.merge_contextvars, *shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     # The standard library's records (kafka-python, grpc, ...) through the same renderer.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
