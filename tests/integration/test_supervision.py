@@ -2,13 +2,17 @@
 
 The local stack (``launch.local_stack``, its own Kafka, no edge, tiny-llama) with a worker and
 then the queue service killed: each is restarted, the worker attaches again, health goes
-NOT_SERVING while no worker is attached and back, and requests succeed afterwards. A queue
+NOT_SERVING while no worker is attached and back, and requests succeed afterwards; every
+worker it starts (the restarted one too) has OpenMP threads that sleep rather than spin,
+since all of the stack shares the machine's cores. A queue
 service with no worker at all tells a waiting client so, then ends the stream UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -38,6 +42,13 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def omp_wait_policy(proc) -> str | None:
+    """OMP_WAIT_POLICY in the environment the child process runs with."""
+    environ = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().split(b"\0")
+    values = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"OMP_WAIT_POLICY=")]
+    return values[-1] if values else None
+
+
 def attaches(proc) -> int:
     return sum(e.get("event") == "attached" for e in proc.log_events())
 
@@ -58,6 +69,8 @@ def test_the_stack_restarts_a_killed_worker_and_queue_service(tmp_path):
         worker, queue_service = procs["worker-0"], procs["queue-service"]
         wait_for(lambda: health(target) == serving, 30, "health never SERVING")
         assert run_request(target, "critical", "before", prompt_ids(20, seed=1)).done
+        expected_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        assert omp_wait_policy(worker) == expected_policy
 
         worker.proc.kill()
         # No worker: the service says so until the restarted one attaches.
@@ -69,6 +82,7 @@ def test_the_stack_restarts_a_killed_worker_and_queue_service(tmp_path):
         wait_for(lambda: health(target) == serving, 30, "health did not come back")
         during = waiting.result(timeout=120)
         assert during.done is not None
+        assert omp_wait_policy(worker) == expected_policy  # the restarted process's
 
         queue_service.proc.kill()
         wait_for(lambda: attaches(worker) == 3, 180, "the worker did not reattach")
