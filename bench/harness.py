@@ -427,9 +427,10 @@ def run_policy(
 
 def _drive(run: _Run, max_idle_s: float) -> None:
     """The first worker's engine on this thread, as the worker process runs it on its main
-    thread (``BatchRunner.run`` says why: on a second thread a short prefill took 1.3-1.7x
-    as long); the dispatcher's loop, and any further worker, on threads of their own. The
-    loop's error, if any, is raised here."""
+    thread, which holds the OpenMP pool of the bench's own measurements (``BatchRunner``'s
+    module docstring: on a second thread a short prefill took 1.5x as long); the dispatcher's
+    loop, and any further worker, on threads of their own. The loop's error, if any, is
+    raised here."""
     (first_id, first), *others = run.runners.items()
     for _, runner in others:
         runner.start()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -44,9 +44,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 def omp_wait_policy(proc) -> str | None:
     """OMP_WAIT_POLICY in the environment the child process runs with."""
-    environ = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().split(b"\0")
-    values = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"OMP_WAIT_POLICY=")]
-    return values[-1] if values else None
+    return psutil.Process(proc.proc.pid).environ().get("OMP_WAIT_POLICY")
 
 
 def attaches(proc) -> int:
