@@ -51,6 +51,8 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
             },
             "preemptions": sum(r.preemptions for r in mine),
             "misses_behind_own_tier": _misses_behind_own_tier(accepted, slo_ms / 1000),
+            # What the machine gave a request with nothing else on it, during this run.
+            "alone_ttft_ms": _quantiles(alone_ttfts_ms(accepted, records)),
             # Waited the aging threshold before their first token: from then on the scheduler
             # put them first in line and no longer preempted them.
             "aged": None if starvation_s is None else sum(t >= starvation_s * 1000 for t in ttfts),
@@ -100,6 +102,32 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
         "lost": sum(r.done_at is None and r.rejected is None for r in records),
         "tiers": per_tier,
     }
+
+
+def alone_ttfts_ms(mine, records) -> list[float]:
+    """TTFTs of the requests of ``mine`` that had the engines to themselves from arrival to
+    first token: no other accepted request of ``records`` was live (arrived, not yet done) at
+    any moment of it. The run's own isolated TTFT: on a shared machine whose speed drifts, and
+    whose caches go cold while the engine idles, it can differ from the one measured before."""
+    live = [r for r in records if r.rejected is None and r.arrived_at]
+    starts = sorted(r.arrived_at for r in live)
+    ends = sorted(r.done_at if r.done_at is not None else float("inf") for r in live)
+    alone = []
+    for r in mine:
+        if r.first_token_at is None:
+            continue
+        # Live intervals that overlap [arrived, first token]: all that start before its end,
+        # but those that ended by its start; the request itself is one of them.
+        overlapping = bisect.bisect_left(starts, r.first_token_at) - bisect.bisect_right(
+            ends, r.arrived_at
+        )
+        if overlapping <= 1:
+            alone.append(r.ttft_s * 1000)
+    return alone
+
+
+def _quantiles(values: list[float]) -> dict:
+    return {"n": len(values), "p50": percentile(values, 50), "p95": percentile(values, 95)}
 
 
 def _misses_behind_own_tier(records, slo_s: float) -> int:

@@ -75,6 +75,8 @@ def judge(summary: dict) -> dict:
             # Misses while another request of the tier got its first token: its own load.
             "misses_behind_own_tier": t.get("misses_behind_own_tier"),
             "ttft_ms": t.get("ttft_ms"),  # p50, p90, p95, p99 of those that got a first token
+            # Those that had the engines to themselves: the run's own isolated TTFT.
+            "alone_ttft_ms": t.get("alone_ttft_ms"),
         }  # fmt: skip
     return {
         "tiers": tiers,

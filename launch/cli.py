@@ -21,10 +21,19 @@ def _engine_bench(args: argparse.Namespace) -> int:
         return _interruption_bench(args)
     if args.threads:
         return _thread_bench(args)
+    if args.idle:
+        return _idle_bench(args)
     from bench.engine_bench import EngineBenchConfig, main
 
     given = dict(prompt_tokens=args.prompt_tokens, chunk_size=args.chunk_size)
     return _run_engine_bench(EngineBenchConfig, main, args, **given)
+
+
+def _idle_bench(args: argparse.Namespace) -> int:
+    from bench.idle_bench import IdleBenchConfig, main
+
+    given = dict(prompt_tokens=args.prompt_tokens, rounds=args.repeats)
+    return _run_engine_bench(IdleBenchConfig, main, args, **given)
 
 
 def _given(**options):
@@ -349,6 +358,12 @@ def _add_engine_bench(sub) -> None:
         "bare and through the runner (why the worker runs its engine on the main thread)",
     )
     eb.add_argument(
+        "--idle",
+        action="store_true",
+        help="a lone short prefill back to back, after idle gaps and after a spinning CPU "
+        "(what a request arriving at an idle engine pays on this machine)",
+    )
+    eb.add_argument(
         "--budget-ms", type=float, help="--blocks: the preemption budget (default: the engine's)"
     )
     eb.add_argument(
@@ -359,7 +374,8 @@ def _add_engine_bench(sub) -> None:
         type=_positive_int,
         help="--batch: prefills per TBT run, each paired with one alone (default: "
         "BatchBenchConfig.repeats in bench/batch_bench.py); --blocks: slowdown pairs per C; "
-        "--threads: rounds (default ThreadBenchConfig.rounds); more narrow the intervals",
+        "--threads, --idle: rounds (default ThreadBenchConfig.rounds, IdleBenchConfig.rounds); "
+        "more narrow the intervals",
     )
     eb.add_argument(
         "--tbt-sweep",

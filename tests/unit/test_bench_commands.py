@@ -194,6 +194,26 @@ def test_thread_bench_measures_each_way_in_a_process_of_its_own(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_idle_bench_measures_every_gap_against_back_to_back(tmp_path):
+    out, png = tmp_path / "idle.json", tmp_path / "idle.png"
+    args = ["engine-bench", "--idle", "--model", "tiny-llama", "--quick", "--prompt-tokens",
+            "32", "--json", str(out), "--plot", str(png)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result.pop("smoke_test_only") is True
+    assert list(result["ms"]) == [
+        "back to back",
+        "after 0.2 s idle",
+        "after 0.2 s of a spinning CPU",
+    ]
+    # Two rounds of two prompts each way, every time a real one.
+    assert all(len(w["samples"]) == 4 and w["min"] > 0 for w in result["ms"].values())
+    assert list(result["ratios"]) == [f"{way} / back to back" for way in list(result["ms"])[1:]]
+    for ratio in result["ratios"].values():
+        assert ratio["n"] == 2 and ratio["ci95"][0] <= ratio["mean"] <= ratio["ci95"][1]
+    assert png.stat().st_size > 10_000
+
+
 def test_consecutive_seeds_run_every_policy_once_in_every_position():
     policies = ("fifo", "priority", "chunked", "recompute", "flowprefill")
     orders = [run_order(policies, seed) for seed in range(3, 3 + len(policies))]
