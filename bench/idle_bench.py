@@ -25,17 +25,16 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
-from bench.metrics import mean_interval
-from bench.report import finish, save_figure
+from bench import prompt_ways
+from bench.report import finish
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
 from worker.config import WorkerConfig
-from worker.events import Finished, FirstToken
 from worker.request import GenerationRequest
 
 BACK_TO_BACK = "back to back"
@@ -94,20 +93,21 @@ def run_idle_bench(cfg: IdleBenchConfig, console: Console) -> dict:
     runner = BatchRunner(engine, events.put)
     samples: dict[str, list[float]] = {way: [] for way in cfg.ways}
     medians: dict[str, list[float]] = {way: [] for way in cfg.ways}
-    ways = list(cfg.ways)
+
+    def timed(request: GenerationRequest) -> float:
+        return prompt_ways.first_token_s(runner, events, request) * 1000
 
     def client() -> None:
         try:
             for n in range(3):  # warm-up, unmeasured
-                _first_token_ms(runner, events, GenerationRequest(f"warm{n}", ids, 1))
+                timed(GenerationRequest(f"warm{n}", ids, 1))
             for r in range(cfg.rounds):
-                for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+                for way in prompt_ways.rotated(cfg.ways, r):
                     times = []
                     for s in range(cfg.samples):
-                        _first_token_ms(runner, events, GenerationRequest(f"pre{r}{s}", ids, 1))
+                        timed(GenerationRequest(f"pre{r}{s}", ids, 1))
                         _wait(way, cfg)
-                        request = GenerationRequest(f"{way}{r}{s}", ids, max_new_tokens=1)
-                        times.append(_first_token_ms(runner, events, request))
+                        times.append(timed(GenerationRequest(f"{way}{r}{s}", ids, 1)))
                     samples[way].extend(times)
                     medians[way].append(statistics.median(times))
                 console.print(f"round {r + 1} of {cfg.rounds}", style="dim")
@@ -124,65 +124,25 @@ def run_idle_bench(cfg: IdleBenchConfig, console: Console) -> dict:
         "threads": torch.get_num_threads(),
         "rounds": cfg.rounds,
         "samples_per_round": cfg.samples,
-        "ms": {
-            way: {"median": statistics.median(v), "min": min(v), "samples": v}
-            for way, v in samples.items()
-        },
+        "ms": prompt_ways.times_ms(samples),
         "ratios": {
-            f"{way} / {BACK_TO_BACK}": _ratio(medians[way], medians[BACK_TO_BACK])
+            f"{way} / {BACK_TO_BACK}": prompt_ways.ratio(medians[way], medians[BACK_TO_BACK])
             for way in cfg.ways[1:]
         },
     }
 
 
-def _first_token_ms(runner: BatchRunner, events: queue.Queue, request: GenerationRequest) -> float:
-    """Time from the assign to the request's first token, in ms (it then finishes)."""
-    started = time.perf_counter()
-    runner.assign(request)
-    first = None
-    while not isinstance(event := events.get(timeout=60), Finished):
-        if isinstance(event, FirstToken):
-            first = event.at
-    return ((first or event.at) - started) * 1000
-
-
-def _ratio(numerators: list[float], denominators: list[float]) -> dict:
-    per_round = [a / b for a, b in zip(numerators, denominators, strict=True)]
-    low, high = mean_interval(per_round) if len(per_round) > 1 else (per_round[0],) * 2
-    return {"mean": statistics.fmean(per_round), "ci95": [low, high], "n": len(per_round)}
-
-
 def render(result: dict, console: Console) -> None:
-    table = Table(
-        title=f"{result['model']}: one {result['prompt_tokens']}-token prompt alone, to its "
-        f"first token, {result['threads']} torch threads, {result['rounds']} rounds"
+    title = (
+        f"{result['model']}: one {result['prompt_tokens']}-token prompt alone, to its first "
+        f"token, {result['threads']} torch threads, {result['rounds']} rounds"
     )
-    for col in ("before it", "median ms", "min ms", "n"):
-        table.add_column(col, justify="right")
-    for way, ms in result["ms"].items():
-        table.add_row(way, f"{ms['median']:.1f}", f"{ms['min']:.1f}", str(len(ms["samples"])))
-    console.print(table)
-    ratios = Table(title="ratios of the rounds' medians (mean, 95 % interval over rounds)")
-    for col in ("ratio", "mean", "95% interval", "n"):
-        ratios.add_column(col, justify="right")
-    for name, r in result["ratios"].items():
-        low, high = r["ci95"]
-        ratios.add_row(name, f"{r['mean']:.2f}x", f"{low:.2f}-{high:.2f}", str(r["n"]))
-    console.print(ratios)
+    prompt_ways.render(result, console, title, "before it")
 
 
-def plot(result: dict, path) -> None:
-    from bench.report import pyplot
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = list(result["ms"])
-    ax.boxplot(
-        [result["ms"][n]["samples"] for n in names], orientation="horizontal", tick_labels=names
-    )
-    ax.set_xlabel("ms to the first token (alone on the engine)")
-    ax.set_title(f"{result['model']}, {result['prompt_tokens']}-token prompt after an idle gap")
-    save_figure(fig, path)
+def plot(result: dict, path: Path) -> None:
+    title = f"{result['model']}, {result['prompt_tokens']}-token prompt after an idle gap"
+    prompt_ways.plot(result, path, "ms to the first token (alone on the engine)", title)
 
 
 def main(cfg: IdleBenchConfig, json_path, png_path) -> dict:

@@ -38,14 +38,12 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
-from bench.metrics import mean_interval
-from bench.report import finish, save_figure
+from bench import prompt_ways
+from bench.report import finish
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
 from worker.config import WorkerConfig
-from worker.events import Finished, FirstToken
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
 
@@ -95,7 +93,7 @@ def measure_way(cfg: ThreadBenchConfig, way: str) -> list[float]:
         case "runner, own thread":
             events: queue.Queue = queue.Queue()
             runner = BatchRunner(engine, events.put).start()
-            times = [_first_token(runner, events, r) for r in requests]
+            times = [prompt_ways.first_token_s(runner, events, r) for r in requests]
             runner.stop()
         case _:
             raise ValueError(way)
@@ -125,7 +123,7 @@ def _through_run(engine: BatchEngine, requests) -> list[float]:
     times: list[float] = []
 
     def client() -> None:
-        times.extend(_first_token(runner, events, r) for r in requests)
+        times.extend(prompt_ways.first_token_s(runner, events, r) for r in requests)
         runner.stop()
 
     thread = threading.Thread(target=client, name="client")
@@ -135,16 +133,6 @@ def _through_run(engine: BatchEngine, requests) -> list[float]:
     return times
 
 
-def _first_token(runner: BatchRunner, events: queue.Queue, request: GenerationRequest) -> float:
-    started = time.perf_counter()
-    runner.assign(request)
-    first = None
-    while not isinstance(event := events.get(timeout=60), Finished):
-        if isinstance(event, FirstToken):
-            first = event.at
-    return (first or event.at) - started
-
-
 # ---------------------------------------------------------------- the rounds
 
 
@@ -152,7 +140,7 @@ def run_thread_bench(cfg: ThreadBenchConfig, console: Console) -> dict:
     medians: dict[str, list[float]] = {way: [] for way in WAYS}
     samples: dict[str, list[float]] = {way: [] for way in WAYS}
     for r in range(cfg.rounds):
-        for way in WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]:
+        for way in prompt_ways.rotated(WAYS, r):
             times = _in_a_process(cfg, way)
             samples[way].extend(times)
             medians[way].append(statistics.median(times))
@@ -163,11 +151,10 @@ def run_thread_bench(cfg: ThreadBenchConfig, console: Console) -> dict:
         "threads": torch.get_num_threads(),
         "rounds": cfg.rounds,
         "samples_per_round": cfg.samples,
-        "ms": {
-            way: {"median": statistics.median(v), "min": min(v), "samples": v}
-            for way, v in samples.items()
+        "ms": prompt_ways.times_ms(samples),
+        "ratios": {
+            name: prompt_ways.ratio(medians[a], medians[b]) for name, (a, b) in RATIOS.items()
         },
-        "ratios": {name: _ratio(medians[a], medians[b]) for name, (a, b) in RATIOS.items()},
     }
 
 
@@ -179,45 +166,17 @@ def _in_a_process(cfg: ThreadBenchConfig, way: str) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _ratio(numerators: list[float], denominators: list[float]) -> dict:
-    per_round = [a / b for a, b in zip(numerators, denominators, strict=True)]
-    low, high = mean_interval(per_round) if len(per_round) > 1 else (per_round[0],) * 2
-    return {"mean": statistics.fmean(per_round), "ci95": [low, high], "n": len(per_round)}
-
-
 def render(result: dict, console: Console) -> None:
-    table = Table(
-        title=f"{result['model']}: one {result['prompt_tokens']}-token prompt, "
+    title = (
+        f"{result['model']}: one {result['prompt_tokens']}-token prompt, "
         f"{result['threads']} torch threads, {result['rounds']} rounds"
     )
-    for col in ("way (a fresh process each round)", "median ms", "min ms", "n"):
-        table.add_column(col, justify="right")
-    for way, ms in result["ms"].items():
-        table.add_row(way, f"{ms['median']:.1f}", f"{ms['min']:.1f}", str(len(ms["samples"])))
-    console.print(table)
-    ratios = Table(title="ratios of the rounds' medians (mean, 95 % interval over rounds)")
-    for col in ("ratio", "mean", "95% interval", "n"):
-        ratios.add_column(col, justify="right")
-    for name, r in result["ratios"].items():
-        low, high = r["ci95"]
-        ratios.add_row(name, f"{r['mean']:.2f}x", f"{low:.2f}-{high:.2f}", str(r["n"]))
-    console.print(ratios)
+    prompt_ways.render(result, console, title, "way (a fresh process each round)")
 
 
 def plot(result: dict, path: Path) -> None:
-    from bench.report import pyplot
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = list(result["ms"])
-    ax.boxplot(
-        [result["ms"][n]["samples"] for n in names], orientation="horizontal", tick_labels=names
-    )
-    ax.set_xlabel("ms (bare: the prefill; runner: to the first token)")
-    ax.set_title(
-        f"{result['model']}, {result['prompt_tokens']}-token prompt: where the engine runs"
-    )
-    save_figure(fig, path)
+    title = f"{result['model']}, {result['prompt_tokens']}-token prompt: where the engine runs"
+    prompt_ways.plot(result, path, "ms (bare: the prefill; runner: to the first token)", title)
 
 
 def main(cfg: ThreadBenchConfig, json_path: Path | None, png_path: Path | None) -> dict:
