@@ -7,10 +7,11 @@ acknowledged, done), each with its ``perf_counter`` time; and once a second the 
 steal over that second (``bench.cpu_steal``). ``bench.misses`` reads it back and
 says, per request that missed its SLO, what it waited for.
 
-Fields: ``t`` (when it was logged), ``kind`` (``arrive`` / ``command`` / ``event`` / ``cpu``),
-and then the arrival's fields; ``command`` and ``request_ids``; ``event`` (the runner event's
-class) and its fields, whose own ``at`` is when the engine thread made it; or ``steal`` and
-``seconds`` (the share of the ``seconds`` before ``t``).
+Fields: ``t`` (when it was logged), ``kind`` (``arrive`` / ``admit`` / ``command`` / ``event``
+/ ``cpu``), and then the arrival's fields; where admission put it (with a tier's overflow rule:
+``bench --flood``) and each rule's prediction; ``command`` and ``request_ids``; ``event`` (the
+runner event's class) and its fields, whose own ``at`` is when the engine thread made it; or
+``steal`` and ``seconds`` (the share of the ``seconds`` before ``t``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class EventLog:
     def arrival(self, request_id: str, tier: str, prompt_tokens: int, due_at: float) -> None:
         self._write("arrive", request_id=request_id, tier=tier, prompt_tokens=prompt_tokens,
                     at=due_at)  # fmt: skip
+
+    def admission(self, request_id: str, placement: Any) -> None:
+        """Where admission put a request (``capacity_board.Placement``) and the predictions
+        each rule judged it by."""
+        verdicts = [*placement.verdicts, *([placement.admitting] if placement.admitting else [])]
+        self._write("admit", request_id=request_id, requested=placement.requested_tier,
+                    served=placement.served_tier,
+                    verdicts=[dataclasses.asdict(v) for v in verdicts])  # fmt: skip
 
     def command(self, command: str, request_ids: list[str]) -> None:
         self._write("command", command=command, request_ids=request_ids)

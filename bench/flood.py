@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from bench.event_log import EventLog
 from bench.harness import RequestRecord, run_policy
 from bench.metrics import wilson_interval
 from bench.policy_bench import (
@@ -245,16 +246,22 @@ def run(cfg: FloodConfig, bench: PolicyBenchConfig, console: Console) -> dict:
                 scenario_tiers,
                 predictor_copy(predictor),
             )
-            result = run_policy(
-                scheduler,
-                make_engines(model, POLICY, bench, workload),
-                workload,
-                vocab_size=model.config.vocab_size,
-                on_progress=lambda b=bar: progress.advance(b),
-                admission=admission,
-                max_idle_s=STUCK_AFTER_S,
-                stop_when_idle=True,  # a request that never finishes is reported lost
-            )
+            log = _event_log(bench, name)
+            try:
+                result = run_policy(
+                    scheduler,
+                    make_engines(model, POLICY, bench, workload),
+                    workload,
+                    vocab_size=model.config.vocab_size,
+                    on_progress=lambda b=bar: progress.advance(b),
+                    admission=admission,
+                    max_idle_s=STUCK_AFTER_S,
+                    stop_when_idle=True,  # a request that never finishes is reported lost
+                    event_log=log,
+                )
+            finally:
+                if log is not None:
+                    log.close()
             results[name] = summarise_flood(result.records, scenario_tiers)
             results[name]["stuck"] = result.stuck
             results[name]["cpu_steal"] = result.cpu_steal
@@ -271,6 +278,13 @@ def run(cfg: FloodConfig, bench: PolicyBenchConfig, console: Console) -> dict:
         "scenarios": {name: results[name] for name in SCENARIOS},
         "checks": checks(results),
     }
+
+
+def _event_log(bench: PolicyBenchConfig, scenario: str) -> EventLog | None:
+    """The timeline of one scenario (``--event-log DIR``), admission's verdicts included."""
+    if bench.event_log_dir is None:
+        return None
+    return EventLog(bench.event_log_dir / f"{scenario.replace(', ', '_').replace(' ', '_')}.jsonl")
 
 
 def render(result: dict, console: Console) -> None:

@@ -337,6 +337,8 @@ class _Run:
             load = scheduler.tier_load(tier, now)
             self.admission.update(PublishedLoad("bench", now, load, {}))
         placement = self.admission.place(arrival.tier, arrival.prompt_tokens, arrival.key_id)
+        if self.log is not None:
+            self.log.admission(arrival.request_id, placement)
         if placement.served_tier is None:
             self.records[arrival.request_id].rejected = placement.refusal.reason()
         return placement.served_tier

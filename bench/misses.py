@@ -88,8 +88,9 @@ def _wait(records: list[dict], arrival: dict, first: dict, steal: list) -> Wait:
 
 
 def _time(record: dict) -> float:
-    """When it happened: an arrival's due time, an event's engine time, a command's log time."""
-    return record["t"] if record["kind"] in ("command", "cpu") else record["at"]
+    """When it happened: an arrival's due time, an event's engine time, a command's (or an
+    admission's) log time."""
+    return record["at"] if record["kind"] in ("arrive", "event") else record["t"]
 
 
 LAST = "first tokens before it"

@@ -95,7 +95,8 @@ class Placement:
 
     requested_tier: str
     served_tier: str | None
-    verdicts: tuple[Verdict, ...]  # the rules applied, from the requested tier down
+    verdicts: tuple[Verdict, ...]  # the rules that refused it, from the requested tier down
+    admitting: Verdict | None = None  # the rule that admitted it (None: no rule applied)
 
     @property
     def downgraded(self) -> bool:
@@ -184,7 +185,7 @@ class CapacityBoard:
             pending = self.pending(policy.name)
             verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above)
             if verdict is None or verdict.admit:
-                return Placement(tier, policy.name, tuple(verdicts))
+                return Placement(tier, policy.name, tuple(verdicts), verdict)
             verdicts.append(verdict)
             below = self.tiers.below(policy.name)
             if policy.overflow != "downgrade" or below is None:

@@ -86,6 +86,12 @@ class Verdict:
     admit: bool
     predicted_ttft_s: float
     slo_s: float
+    # Its parts, for the request log and a benchmark's timeline: predicted TTFT = switch_s +
+    # (1 + margin) * (wait_s + own_s), wait_s the committed work ahead per worker.
+    wait_s: float = 0.0
+    own_s: float = 0.0
+    margin: float = 0.0
+    switch_s: float = 0.0
 
     @property
     def retry_after_s(self) -> int:
@@ -130,8 +136,12 @@ def judge(
     capacity_s = tier_capacity_s(workers, tier.ttft_slo_s, switch_s, margin)
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     committed_s += sum(load.committed_s for load in above)
-    ttft_s = switch_s + (1.0 + margin) * (committed_s / workers + own_s)
-    return Verdict(tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s)
+    wait_s = committed_s / workers
+    ttft_s = switch_s + (1.0 + margin) * (wait_s + own_s)
+    return Verdict(
+        tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
+        switch_s,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

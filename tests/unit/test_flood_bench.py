@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from bench.event_log import read
 from bench.flood import (
     SCENARIOS,
     FloodConfig,
@@ -89,8 +90,9 @@ def test_the_summary_counts_each_group_of_the_issue():
 
 def test_the_flood_command_runs_every_scenario_and_writes_json_and_png(tmp_path):
     out, png = tmp_path / "flood.json", tmp_path / "flood.png"
+    logs = tmp_path / "events"
     args = ["bench", "--flood", "--flood-calm", "10", "--model", "tiny-llama", "--quick",
-            "--json", str(out), "--plot", str(png)]  # fmt: skip
+            "--json", str(out), "--plot", str(png), "--event-log", str(logs)]  # fmt: skip
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert list(result["scenarios"]) == list(SCENARIOS)
@@ -103,3 +105,19 @@ def test_the_flood_command_runs_every_scenario_and_writes_json_and_png(tmp_path)
     assert result["scenarios"]["calm alone"]["flood admitted"]["n"] == 0
     assert set(result["checks"]) >= {"none lost", "admitted critical >= 0.99"}
     assert png.stat().st_size > 0
+    # One timeline per scenario; where admission ran, every arrival's placement and the
+    # predictions it was judged by.
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        f"{name.replace(', ', '_').replace(' ', '_')}.jsonl" for name in SCENARIOS
+    )
+    admitted = [r for r in read(logs / "flood_downgrade.jsonl") if r["kind"] == "admit"]
+    critical = [r for r in admitted if r["requested"] == "critical"]
+    assert len(critical) == sum(result["requests"].values())  # the calm key's and the flood's
+    for record in admitted:
+        served = record["served"]
+        last = record["verdicts"][-1] if record["verdicts"] else None
+        if last is not None:  # the rule applied: the last verdict is the one that decided
+            assert last["admit"] == (served == last["tier"])
+            parts = last["switch_s"] + (1 + last["margin"]) * (last["wait_s"] + last["own_s"])
+            assert last["predicted_ttft_s"] == pytest.approx(parts)
+    assert not [r for r in read(logs / "flood_off.jsonl") if r["kind"] == "admit"]

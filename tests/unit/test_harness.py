@@ -211,11 +211,20 @@ def test_the_event_log_tells_what_a_missed_request_waited_for(tiny_llama, tmp_pa
     slow = SlowLayers(model, 0.03)
     try:
         result = run_policy(
-            scheduler, [engine], workload, vocab_size=model.config.vocab_size, event_log=log
+            scheduler,
+            [engine],
+            workload,
+            vocab_size=model.config.vocab_size,
+            event_log=log,
+            admission=True,  # its records carry no engine time: `misses` must place them too
         )
     finally:
         slow.remove()
         log.close()
+    assert [r["request_id"] for r in read(log.path) if r["kind"] == "admit"] == [
+        "batch-1",
+        "crit-1",
+    ]
     (wait,) = waits(read(log.path), "critical")
     record = result.records["crit-1"]
     assert wait.request_id == "crit-1" and wait.prompt_tokens == 24
