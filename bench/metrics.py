@@ -25,41 +25,13 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
     """The per-policy block of the benchmark JSON (docs/results.md, "The benchmark commands").
     ``starvation_s``: the scheduler's aging threshold, to count the requests that reached it
     (when the caller knows it; the count is None otherwise)."""
-    per_tier: dict[str, dict] = {}
     records = list(result.records.values())
     wall = result.makespan_s
-    for tier in tiers:
-        mine = [r for r in records if r.arrival.tier == tier.name]
-        if not mine:
-            continue
-        accepted = [r for r in mine if r.rejected is None]
-        ttfts = [r.ttft_s * 1000 for r in accepted if r.ttft_s is not None]
-        slo_ms = tier.ttft_slo_s * 1000
-        met = sum(t <= slo_ms for t in ttfts)
-        per_tier[tier.name] = {
-            "n": len(mine),
-            "completed": sum(r.done_at is not None and r.failed is None for r in accepted),
-            "rejected": len(mine) - len(accepted),
-            "failed": sum(r.failed is not None for r in accepted),
-            "slo_ms": slo_ms,
-            # Over accepted requests: a rejected batch request has no TTFT to judge.
-            "slo_attainment": met / len(accepted) if accepted else float("nan"),
-            "slo_violations": len(accepted) - met,
-            "ttft_ms": {
-                q: percentile(ttfts, p)
-                for q, p in (("p50", 50), ("p90", 90), ("p95", 95), ("p99", 99))
-            },
-            "preemptions": sum(r.preemptions for r in mine),
-            "misses_behind_own_tier": _misses_behind_own_tier(accepted, slo_ms / 1000),
-            # What the machine gave a request with nothing else on it, during this run.
-            "alone_ttft_ms": _quantiles(alone_ttfts_ms(accepted, records)),
-            # Waited the aging threshold before their first token: from then on the scheduler
-            # put them first in line and no longer preempted them.
-            "aged": None if starvation_s is None else sum(t >= starvation_s * 1000 for t in ttfts),
-            "completed_tok_s": _completed_tokens(accepted) / wall if wall else 0.0,
-            "ttft_samples_ms": sorted(ttfts),
-            **_tbt(accepted, tier.tbt_slo_s),
-        }
+    per_tier = {
+        tier.name: _tier_summary(tier, mine, records, wall, starvation_s)
+        for tier in tiers
+        if (mine := [r for r in records if r.arrival.tier == tier.name])
+    }
     completed = [r for r in records if r.done_at is not None and r.failed is None]
     tokens = sum(r.arrival.prompt_tokens for r in completed)
     latencies = [s * 1000 for s in result.preemption_latencies_s]
@@ -101,6 +73,37 @@ def summarise(result: RunResult, tiers: TierTable, starvation_s: float | None = 
         },
         "lost": sum(r.done_at is None and r.rejected is None for r in records),
         "tiers": per_tier,
+    }
+
+
+def _tier_summary(tier, mine, records, wall: float, starvation_s: float | None) -> dict:
+    """One tier's block: ``mine`` its requests among the run's ``records``."""
+    accepted = [r for r in mine if r.rejected is None]
+    ttfts = [r.ttft_s * 1000 for r in accepted if r.ttft_s is not None]
+    slo_ms = tier.ttft_slo_s * 1000
+    met = sum(t <= slo_ms for t in ttfts)
+    return {
+        "n": len(mine),
+        "completed": sum(r.done_at is not None and r.failed is None for r in accepted),
+        "rejected": len(mine) - len(accepted),
+        "failed": sum(r.failed is not None for r in accepted),
+        "slo_ms": slo_ms,
+        # Over accepted requests: a rejected batch request has no TTFT to judge.
+        "slo_attainment": met / len(accepted) if accepted else float("nan"),
+        "slo_violations": len(accepted) - met,
+        "ttft_ms": {
+            q: percentile(ttfts, p) for q, p in (("p50", 50), ("p90", 90), ("p95", 95), ("p99", 99))
+        },
+        "preemptions": sum(r.preemptions for r in mine),
+        "misses_behind_own_tier": _misses_behind_own_tier(accepted, slo_ms / 1000),
+        # What the machine gave a request with nothing else on it, during this run.
+        "alone_ttft_ms": _quantiles(alone_ttfts_ms(accepted, records)),
+        # Waited the aging threshold before their first token: from then on the scheduler
+        # put them first in line and no longer preempted them.
+        "aged": None if starvation_s is None else sum(t >= starvation_s * 1000 for t in ttfts),
+        "completed_tok_s": _completed_tokens(accepted) / wall if wall else 0.0,
+        "ttft_samples_ms": sorted(ttfts),
+        **_tbt(accepted, tier.tbt_slo_s),
     }
 
 
