@@ -266,6 +266,7 @@ def run(cfg: FloodConfig, bench: PolicyBenchConfig, console: Console) -> dict:
             results[name]["stuck"] = result.stuck
             results[name]["cpu_steal"] = result.cpu_steal
             results[name]["makespan_s"] = result.makespan_s
+            results[name]["admission_error"] = result.admission_errors
     return {
         "model": loaded.name,
         "policy": POLICY,

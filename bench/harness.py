@@ -98,6 +98,7 @@ class RunResult:
     events: int = 0  # events handed to the scheduler
     progress_events: int = 0
     prediction_errors: dict = field(default_factory=dict)  # PredictionErrors.summary()
+    admission_errors: dict = field(default_factory=dict)  # AdmissionErrors.summary()
     decode_steps: int = 0  # batched workers: decode steps, and rows over all of them
     decode_rows: int = 0
     slotted_steps: int = 0  # of them, run at a layer boundary of a prefill
@@ -395,6 +396,7 @@ class _Run:
         self.result.cpu_steal = steal_share(self._cpu_at_start, psutil.cpu_times())
         self.result.decide_s, self.result.events = stats.decide_s, stats.events
         self.result.prediction_errors = self.dispatcher.scheduler.prediction_errors.summary()
+        self.result.admission_errors = self.dispatcher.scheduler.admission_errors.summary()
         self.result.counters = self.dispatcher.scheduler.counters
         return self.result
 

@@ -12,7 +12,8 @@ Every request of a tier has the same SLO, so a newcomer's deadline is the latest
 deadline-first, it runs after every committed request of the tier and delays none of them. On W
 workers a work-conserving schedule starts it at most ``committed / W`` from now, after the wait
 for a running lower-tier prefill to stop (``switch_s``). Predictions are inflated by the
-predictor's observed under-estimate (``margin``):
+observed under-estimate (``margin``): the prefill predictor's, or admission's own, measured on
+the TTFTs of the tier's requests, when that is larger (``admission_error``):
 
     predicted TTFT = switch_s + (1 + margin) * (committed_s / W + own prefill)
 
@@ -67,7 +68,7 @@ class TierLoad:
     workers: int  # attached workers that run the tier's requests
     committed_s: float  # predicted prefill seconds left of the tier's unfinished requests
     switch_s: float  # how long a running prefill takes to give way (p95 observed)
-    margin: float  # the predictor's observed relative under-estimate
+    margin: float  # observed relative under-estimate (``Scheduler.tier_margin``)
     coefficients: tuple[float, float, float]  # the prefill predictor's a, b, c
     calibrated: bool  # the predictor was fitted to measurements, not its fallback
     keys: tuple[KeyLoad, ...] = ()  # per key: the committed work, and the keys active lately

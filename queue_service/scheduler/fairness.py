@@ -10,7 +10,8 @@ request of key k gets
     start tag  S = max(V - B / weight_k, F_k)     finish tag  F_k = S + predicted prefill / weight_k
 
 where ``F_k`` is the finish tag of the key's previous request and ``V``, the tier's virtual
-time, is the smallest start tag of the tier's requests still to prefill, running or waiting: as
+time, is the smallest start tag of the tier's requests still to prefill, running or waiting,
+that can still make their deadlines (a late one is no longer dealt a place, below): as
 in start-time fair queueing, the start tag of the request in service (the highest finish tag
 issued, when none is left), kept from going back. A key that floods runs its tags far ahead of
 ``V``. A key that was idle gets a burst credit ``B``, its share of the tier as admission reckons
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from queue_service.scheduler.request import Request
@@ -69,7 +70,8 @@ class KeyBook:
         credit_s: Callable[[], float] = lambda: 0.0,
     ) -> float:
         """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
-        requests still to prefill, running or waiting (their tags give the virtual time);
+        requests still to prefill, running or waiting, that can still make their deadlines
+        (their tags give the virtual time: a late request's old tag would hold it back);
         ``credit_s``: the burst credit of a key that was idle (``B``), asked only of a key
         whose last finish tag is behind the virtual time (a busy key's never matters)."""
         tier = req.tier.name
@@ -91,12 +93,17 @@ class KeyBook:
                 yield key_id, entry.weight
 
 
-def fair_order(ranked: Sequence[Request]) -> list[Request]:
+def fair_order(ranked: Sequence[Request], late: Collection[str] = ()) -> list[Request]:
     """``ranked`` (the policy's order) with each tier's requests re-dealt over the tier's own
-    places in start-tag order between keys."""
+    places in start-tag order between keys. ``late``: ids of requests predicted to miss their
+    deadline already; they keep the places the policy gave them (behind their tier's on-time
+    work, for flowprefill) and take no part in the dealing. Dealt in, a late request's old,
+    low tag went to its key's newest on-time request: a flood with one late request kept the
+    head of the tier, ahead of a calm key's request that had arrived before."""
     by_tier: dict[str, list[Request]] = defaultdict(list)
     for req in ranked:
-        by_tier[req.tier.name].append(req)
+        if req.request_id not in late:
+            by_tier[req.tier.name].append(req)
     dealt = {
         tier: _by_start_tag(requests)
         for tier, requests in by_tier.items()
@@ -108,7 +115,7 @@ def fair_order(ranked: Sequence[Request]) -> list[Request]:
     order = []
     for req in ranked:
         tier = req.tier.name
-        if tier in dealt:
+        if tier in dealt and req.request_id not in late:
             req = dealt[tier][cursor[tier]]
             cursor[tier] += 1
         order.append(req)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from queue_service.scheduler.fairness import fair_order
-from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
+from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey, slack_s
 from queue_service.scheduler.prediction_error import PredictionErrors, SwitchTime
 from queue_service.scheduler.predictor import PrefillTimePredictor
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
@@ -82,7 +82,8 @@ def rank_waiting(
         (aged if rules.aged(req, now) else fresh).append(req)
     aged.sort(key=lambda r: (r.arrival_s, r.seq))  # oldest starving request first
     fresh.sort(key=lambda r: policy.key(r, now, left[r.request_id]))
-    fresh = fair_order(fresh)
+    late = {r.request_id for r in fresh if slack_s(r, now, left[r.request_id]) < 0}
+    fresh = fair_order(fresh, late)
     if policy.guards_tiers:
         fresh = guard_tiers(aged, fresh, left, policy, estimator, now, workers)
     return aged + fresh

@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from queue_service.scheduler import decode_batch, fairness, packing, planner
-from queue_service.scheduler.capacity import KeyLoad, TierLoad, key_share_s, tier_capacity_s
+from queue_service.scheduler.admission_error import AdmissionErrors, AdmissionPrediction
+from queue_service.scheduler.capacity import (
+    KeyLoad,
+    TierLoad,
+    judge,
+    key_share_s,
+    tier_capacity_s,
+)
 from queue_service.scheduler.events import (
     Assign,
     AssignPacked,
@@ -56,7 +63,7 @@ from queue_service.scheduler.events import (
     WorkerJoined,
     WorkerLeft,
 )
-from queue_service.scheduler.policies import SchedulingPolicy, make_policy
+from queue_service.scheduler.policies import SchedulingPolicy, make_policy, slack_s
 from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
 from queue_service.scheduler.request import ON_WORKER, Request, RequestState, WorkerSlot
@@ -147,6 +154,8 @@ class Scheduler:
             default_margin=self.config.default_prediction_margin
         )
         self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
+        # Admission's own TTFT error, per tier that admission judges (``admission_error``).
+        self.admission_errors = AdmissionErrors(tiers.judged())
         self._rules = planner.Rules(
             starvation_s=self.config.starvation_s,
             max_preemptions=(
@@ -231,14 +240,41 @@ class Scheduler:
             key_weight=ev.key_weight,
             progress_at_s=now,
         )
+        if self.admission_errors.judged(tier.name):
+            req.admission_prediction = self._admission_prediction(req, now)
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
-            (r for r in self._requests.values() if r.tier is tier and not r.prefilled),
+            (
+                r
+                for r in self._requests.values()
+                if r.tier is tier and not r.prefilled and self._on_time(r, now)
+            ),
             credit_s=lambda: self._burst_credit_s(req, now),
         )
         self._requests[rid] = req
         return self._schedule(now)
+
+    def _on_time(self, req: Request, now: float) -> bool:
+        """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
+        return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
+
+    def _admission_prediction(self, req: Request, now: float) -> AdmissionPrediction | None:
+        """What admission predicts for ``req`` on this instance's loads, before it counts in
+        them (``capacity.judge``, as ``CapacityBoard.place`` asks it): kept to measure how
+        wrong admission is once its first token is out. None before the predictor is
+        calibrated (admission does not judge then either)."""
+        tier = req.tier
+        above = [self.tier_load(t.name, now) for t in self.tiers if t.rank < tier.rank]
+        verdict = judge(
+            tier,
+            [self.tier_load(tier.name, now)],
+            req.prompt_tokens,
+            key_id=req.key_id,
+            key_weight=req.key_weight,
+            above=above,
+        )
+        return AdmissionPrediction.of(verdict) if verdict is not None else None
 
     def _burst_credit_s(self, req: Request, now: float) -> float:
         """The key's share of its tier, as admission reckons it (``capacity.key_share_s``):
@@ -249,7 +285,7 @@ class Scheduler:
             self._serving_workers(),
             req.tier.ttft_slo_s,
             self.switch_s(),
-            self.prediction_errors.margin(),
+            self.tier_margin(req.tier.name),
         )
         return key_share_s(capacity_s, req.key_weight, list(weights.values()))
 
@@ -279,6 +315,9 @@ class Scheduler:
         req.tokens_done = req.prompt_tokens
         if req.first_token_s is None:
             req.first_token_s = now
+            if req.admission_prediction is not None:
+                ttft_s = now - req.arrival_s
+                self.admission_errors.observe(req.tier.name, req.admission_prediction, ttft_s)
         if req.state is RequestState.RUNNING:
             # A PREEMPTING one stays so: the engine also stops decode at its next check.
             req.state = RequestState.DECODING
@@ -654,6 +693,11 @@ class Scheduler:
         """The observed p95 time for a preemption to take effect."""
         return self._estimator.switch.p95()
 
+    def tier_margin(self, tier: str) -> float:
+        """The margin admission inflates the tier's predictions by: the prefill predictor's,
+        or admission's own measured TTFT error when that is larger (``admission_error``)."""
+        return max(self.prediction_errors.margin(), self.admission_errors.margin(tier))
+
     def tier_load(self, tier: str, now: float) -> TierLoad:
         """The tier's committed work here, for admission against its capacity
         (``capacity.judge``): the predicted prefill time left of its live requests, in all and
@@ -670,7 +714,7 @@ class Scheduler:
             committed_s=sum(by_key.values()),
             keys=tuple(KeyLoad(k, weights[k], by_key[k]) for k in sorted(by_key)),
             switch_s=self.switch_s(),
-            margin=self.prediction_errors.margin(),
+            margin=self.tier_margin(tier),
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
         )

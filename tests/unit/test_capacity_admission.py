@@ -16,9 +16,12 @@ from queue_service.core.capacity_board import (
 from queue_service.scheduler import (
     Assign,
     PrefillFinished,
+    PrefillSample,
     PrefillTimePredictor,
     RequestArrived,
+    RequestDone,
     Scheduler,
+    SchedulerConfig,
     WorkerJoined,
 )
 from queue_service.scheduler.capacity import KeyLoad, Pending, TierLoad, judge, predict_prefill_s
@@ -301,6 +304,61 @@ def test_the_scheduler_commits_the_prefill_left_of_its_live_requests_of_the_tier
     commands = scheduler.handle(PrefillFinished("c0", "w0", 100, 0.1), 0.1)
     assert any(isinstance(c, Assign) and c.request_id == "c1" for c in commands)
     assert scheduler.tier_load("critical", 0.1).committed_s == pytest.approx(0.2)
+
+
+def measured_scheduler() -> Scheduler:
+    """One worker and a predictor calibrated to ``PER_TOKEN``, kept as it is."""
+    predictor = PrefillTimePredictor(*PER_TOKEN)
+    for tokens in range(50, 450, 50):
+        predictor.observe(PrefillSample(tokens, 0, tokens * PER_TOKEN[0]))
+    config = SchedulerConfig(refit_predictor=False, default_prediction_margin=0.0)
+    scheduler = Scheduler("flowprefill", TIERS, predictor, config)
+    scheduler.handle(WorkerJoined("w0", kv_slots=4), 0.0)
+    return scheduler
+
+
+def serve_one_at_a_time(scheduler: Scheduler, first: int, n: int, ttft_s: float) -> None:
+    """``n`` critical 100-token requests, each alone: its prefill takes the predicted 0.1 s,
+    but its first token comes ``ttft_s`` after its arrival (what no prefill counts: a decode
+    step before it, say)."""
+    for i in range(first, first + n):
+        t = float(i)
+        scheduler.handle(RequestArrived(f"c{i}", "critical", 100), t)
+        scheduler.handle(PrefillFinished(f"c{i}", "w0", 100, 0.1), t + ttft_s)
+        scheduler.handle(RequestDone(f"c{i}", "w0"), t + ttft_s)
+
+
+def test_admission_learns_its_own_ttft_error_and_the_tiers_margin_follows_it():
+    scheduler = measured_scheduler()
+    serve_one_at_a_time(scheduler, 0, 49, ttft_s=0.2)
+    # Not yet enough requests: the prefill predictor's margin (it was exact) stands alone.
+    assert scheduler.tier_load("critical", 49.0).margin == pytest.approx(0.0)
+    serve_one_at_a_time(scheduler, 49, 1, ttft_s=0.2)
+    critical = scheduler.tier_load("critical", 50.0)
+    # Predicted 0.1 s (no work ahead, its own prefill), took 0.2 s: the margin is +100 %.
+    assert critical.margin == pytest.approx(1.0)
+    assert scheduler.prediction_errors.margin() == pytest.approx(0.0)
+    # The standard tier (the downgrade's) had no request: its margin is the predictor's.
+    assert scheduler.tier_load("standard", 50.0).margin == pytest.approx(0.0)
+    # So admission now refuses a 200-token prompt on an idle tier, which it admitted before.
+    verdict = judge(CRITICAL, [critical], 200)
+    assert verdict is not None and not verdict.admit
+    assert verdict.predicted_ttft_s == pytest.approx(0.4)
+    assert judge(CRITICAL, [dataclasses.replace(critical, margin=0.0)], 200).admit
+
+
+def test_admissions_error_counts_the_work_that_was_ahead_of_a_request():
+    scheduler = measured_scheduler()
+    # Two at once, 50 times: the second's prediction holds the first's 0.1 s, and it gets its
+    # first token at 0.2 s, as predicted. The first's is exact too.
+    for i in range(50):
+        t = float(i)
+        scheduler.handle(RequestArrived(f"a{i}", "critical", 100), t)
+        scheduler.handle(RequestArrived(f"b{i}", "critical", 100), t)
+        for rid, done in ((f"a{i}", t + 0.1), (f"b{i}", t + 0.2)):
+            scheduler.handle(PrefillFinished(rid, "w0", 100, 0.1), done)
+            scheduler.handle(RequestDone(rid, "w0"), done)
+    assert scheduler.tier_load("critical", 50.0).margin == pytest.approx(0.0, abs=1e-9)
 
 
 # ----------------------------------------------------------------------------- the tier table

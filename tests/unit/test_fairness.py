@@ -79,6 +79,15 @@ def test_a_keys_own_requests_keep_the_policys_order_among_themselves():
     assert order.index("a2") < order.index("a1")
 
 
+def test_a_late_request_keeps_its_place_and_gives_its_key_no_earlier_tag():
+    f0, f1, f2, calm = tagged(*((f"f{i}", "critical", "flood") for i in range(3)),
+                              ("calm", "critical", "calm"))  # fmt: skip
+    # f0 is late: the policy put it behind its tier's on-time work. Dealt in, its tag (0, the
+    # lowest) went to f1, which then tied the calm key's request and won on its place.
+    assert ids(fair_order([f1, f2, calm, f0])) == ["f1", "calm", "f2", "f0"]
+    assert ids(fair_order([f1, f2, calm, f0], late={"f0"})) == ["calm", "f1", "f2", "f0"]
+
+
 def test_the_scheduler_serves_a_calm_key_before_the_backlog_of_a_flood():
     sched = make("flowprefill", workers=0)
     for i in range(6):
