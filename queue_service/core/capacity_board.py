@@ -60,9 +60,12 @@ def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
         calibrated=load.calibrated,
         counted_through_unix_ms=published.counted_through_ms,
         keys=[
-            queue_pb2.KeyCapacity(key_id=k.key_id, weight=k.weight, committed_s=k.committed_s)
+            queue_pb2.KeyCapacity(
+                key_id=k.key_id, weight=k.weight, committed_s=k.committed_s, error_s=k.error_s
+            )
             for k in load.keys
         ],
+        error_s=load.error_s,
     )
 
 
@@ -79,7 +82,10 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
         margin=record.margin,
         coefficients=(a, b, c),
         calibrated=record.calibrated,
-        keys=tuple(KeyLoad(k.key_id, k.weight or 1.0, k.committed_s) for k in record.keys),
+        keys=tuple(
+            KeyLoad(k.key_id, k.weight or 1.0, k.committed_s, k.error_s) for k in record.keys
+        ),
+        error_s=record.error_s,
     )
     return PublishedLoad(
         record.instance_id,

@@ -1,81 +1,134 @@
-"""How wrong admission's predicted time to first token has been, per judged tier.
+"""How late admission's predicted time to first token has come true, per judged tier and key.
 
 Admission (``capacity.judge``) predicts a newcomer's TTFT from the prefill work committed ahead
-of it and its own prefill, inflated by a margin. The prefill predictor's own error
-(``PredictionErrors``: one prefill's busy time against its prediction) is not that margin's
-whole story. A request's TTFT also holds what no prefill prediction counts: the decode steps
-the worker runs between prefills and inside them, the requests fair order lets past it
-(another key's burst, up to that key's share), packs that take longer than their parts, and a
-running prefill of the same tier that it cannot preempt. Measured on the flood (docs/results.md,
-"The flood at f9d147c"): admitted critical requests took up to 2.6x the uninflated
-prediction at p95, while the prefill margin was 0.12-0.32, so 1 in 20 admitted requests missed.
+of it and its own prefill, inflated by the prefill predictor's observed error. A request's TTFT
+also holds what no prefill prediction counts: the decode steps the worker runs between
+prefills and inside them, a running prefill of its own tier that it cannot preempt, the
+requests fair order lets past it (another key's burst, up to that key's share), packs, and an
+engine whose caches went cold. Measured on the flood (docs/results.md, "The flood at
+f9d147c"): the TTFT of admitted critical requests exceeded the prediction by up to 145 ms at
+p95, so 1 in 20 of them missed the 0.3 s SLO.
 
 So the scheduler that owns a judged tier makes admission's prediction itself when a request
-arrives (the same ``judge`` over its own load), and compares it with the TTFT the request
-gets. The tier's margin is a high quantile of those errors, so that a request admitted at the
-edge of the SLO meets it with that probability: admission promises the attainment the issue
-asks of it (0.99) by measuring, not by assuming where the time goes. Until enough requests
-were measured, the prefill predictor's margin stands alone.
+arrives (the same ``judge`` over its own load) and, at its first token, keeps how much later
+it came: ``error = TTFT - predicted TTFT``. Admission adds a high quantile of those errors
+(``error_s``) to its predictions, so a request admitted at the edge of the SLO meets it with
+about that probability: admission promises the attainment asked of it (0.99) by measuring, not
+by assuming where the time goes.
+
+The errors are additive, in seconds, not relative: what they hold (a decode step, a prefill
+ahead that could not be stopped, a cold cache) costs about the same before a 30 ms prediction
+as before a 200 ms one. As a share of a short prediction they would be 2-4x, and a relative
+margin at that level refused even a calm key's lone requests (tried: 24 of 200 at
+``--flood``'s "calm alone").
+
+They are kept per key too, because keys of one tier see different errors: fair order runs a
+calm key's requests before the flood's, so the flood's requests wait for the calm key's later
+arrivals and the calm key's do not. A key with fewer than ``min_samples`` measured requests is
+judged on its tier's errors. The error added is at most ``max_share_of_slo`` of the SLO, so that
+admission never closes a tier to every request: it keeps admitting the shortest and keeps
+measuring.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from queue_service.scheduler.capacity import Verdict
-from queue_service.scheduler.prediction_error import PredictionErrors
+from tierflow.recent import RecentMap
 
 
 @dataclass(frozen=True)
 class AdmissionPrediction:
-    """Admission's TTFT prediction for one request, before the margin: ``switch_s`` plus
-    ``work_s`` (the work ahead of it per worker and its own prefill)."""
+    """Admission's TTFT prediction for one request, before the error it adds."""
 
-    switch_s: float
-    work_s: float
+    ttft_s: float
 
     @classmethod
     def of(cls, verdict: Verdict) -> AdmissionPrediction:
-        return cls(verdict.switch_s, verdict.wait_s + verdict.own_s)
+        return cls(verdict.predicted_ttft_s - verdict.error_s)
+
+
+class _Errors:
+    """A window of additive errors and its cached quantile."""
+
+    def __init__(self, window: int) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+        self.cached: float | None = None
+
+    def add(self, error_s: float) -> None:
+        self.samples.append(error_s)
+        self.cached = None
+
+    def quantile(self, q: float) -> float:
+        if self.cached is None:
+            self.cached = float(np.quantile(np.fromiter(self.samples, float), q))
+        return self.cached
 
 
 class AdmissionErrors:
-    """Per tier, the window of relative errors of the predicted work part of TTFT, and the
-    margin (a high quantile of them) that admission inflates predictions by."""
-
     def __init__(
         self,
-        tiers: tuple[str, ...],
+        slos: dict[str, float],
         *,
         quantile: float = 0.99,
-        window: int = 512,
-        min_samples: int = 50,
-        max_margin: float = 3.0,
+        window: int = 256,
+        min_samples: int = 20,
+        max_share_of_slo: float = 0.5,
+        remember_keys: int = 10_000,
     ) -> None:
-        self._errors = {
-            tier: PredictionErrors(
-                window=window,
-                min_samples=min_samples,
-                default_margin=0.0,
-                quantile=quantile,
-                max_margin=max_margin,
-            )
-            for tier in tiers
-        }
+        """``slos``: the TTFT SLO of each tier that admission judges."""
+        if not 0 < quantile < 1 or window < 1 or min_samples < 1:
+            raise ValueError("need 0 < quantile < 1, window >= 1 and min_samples >= 1")
+        self.slos = dict(slos)
+        self.quantile = quantile
+        self.window = window
+        self.min_samples = min_samples
+        self.max_share_of_slo = max_share_of_slo
+        self._tiers = {tier: _Errors(window) for tier in self.slos}
+        self._keys: RecentMap[tuple[str, str], _Errors] = RecentMap(max(1, remember_keys))
 
     def judged(self, tier: str) -> bool:
-        return tier in self._errors
+        return tier in self._tiers
 
-    def observe(self, tier: str, predicted: AdmissionPrediction, ttft_s: float) -> None:
-        """A request predicted ``predicted`` at arrival got its first token ``ttft_s`` after."""
-        errors = self._errors.get(tier)
-        if errors is not None:
-            errors.observe(predicted.work_s, max(0.0, ttft_s - predicted.switch_s))
+    def observe(
+        self, tier: str, key_id: str, predicted: AdmissionPrediction, ttft_s: float
+    ) -> None:
+        """A request of ``key_id`` predicted ``predicted`` on arrival got its first token
+        ``ttft_s`` after it."""
+        if tier not in self._tiers:
+            return
+        error_s = ttft_s - predicted.ttft_s
+        self._tiers[tier].add(error_s)
+        key = self._keys.get((tier, key_id))
+        if key is None:
+            key = self._keys[(tier, key_id)] = _Errors(self.window)
+        key.add(error_s)
 
-    def margin(self, tier: str) -> float:
-        """The tier's margin on admission's predictions (0 until measured, or not judged)."""
-        errors = self._errors.get(tier)
-        return errors.margin() if errors is not None else 0.0
+    def error_s(self, tier: str, key_id: str | None = None) -> float:
+        """Seconds admission adds to its predictions for ``key_id`` of ``tier`` (the tier's
+        own errors for a key measured too little, or None); 0 before ``min_samples``."""
+        errors = self._keys.get((tier, key_id)) if key_id is not None else None
+        if errors is None or len(errors.samples) < self.min_samples:
+            errors = self._tiers.get(tier)
+        if errors is None or len(errors.samples) < self.min_samples:
+            return 0.0
+        cap = self.max_share_of_slo * self.slos[tier]
+        return min(cap, max(0.0, errors.quantile(self.quantile)))
 
     def summary(self) -> dict[str, dict[str, float | int]]:
-        return {tier: errors.summary() for tier, errors in self._errors.items() if len(errors)}
+        """Per tier measured: n, p50 and p99 of the errors (ms), and the error added now."""
+        out: dict[str, dict[str, float | int]] = {}
+        for tier, errors in self._tiers.items():
+            if errors.samples:
+                samples = np.fromiter(errors.samples, float)
+                out[tier] = {
+                    "n": len(samples),
+                    "p50_ms": float(np.quantile(samples, 0.5)) * 1000,
+                    "p99_ms": float(np.quantile(samples, 0.99)) * 1000,
+                    "error_ms": self.error_s(tier) * 1000,
+                }
+        return out

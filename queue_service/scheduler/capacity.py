@@ -12,10 +12,11 @@ Every request of a tier has the same SLO, so a newcomer's deadline is the latest
 deadline-first, it runs after every committed request of the tier and delays none of them. On W
 workers a work-conserving schedule starts it at most ``committed / W`` from now, after the wait
 for a running lower-tier prefill to stop (``switch_s``). Predictions are inflated by the
-observed under-estimate (``margin``): the prefill predictor's, or admission's own, measured on
-the TTFTs of the tier's requests, when that is larger (``admission_error``):
+prefill predictor's observed under-estimate (``margin``), and admission's own observed error
+is added (``error_s``: a high quantile of how much later than predicted the TTFTs of the key's,
+or the tier's, requests came; ``admission_error``):
 
-    predicted TTFT = switch_s + (1 + margin) * (committed_s / W + own prefill)
+    predicted TTFT = switch_s + (1 + margin) * (committed_s / W + own prefill) + error_s
 
 A request is admitted at its tier when that is within the tier's SLO. The same rule covers a
 request whose own prefill alone exceeds the SLO.
@@ -31,7 +32,7 @@ other active key free for it:
 
     committed_s = c_k + sum_j min(c_j, w_j / w_k * max(0, c_k + own - B))
                       + (sum_j max(0, share_j - c_j)  if 0 < c_k and k is over its share)
-    share_j     = W * (SLO - switch_s) / (1 + margin) * w_j / (sum of the active keys' w)
+    share_j     = W * (SLO - switch_s - error_s) / (1 + margin) * w_j / (sum of active w)
 
 A key that floods the tier fills at most what the others leave of it, and a key within its
 share is admitted ahead of the flood. With one key the formula is the one above.
@@ -58,6 +59,7 @@ class KeyLoad:
     key_id: str
     weight: float
     committed_s: float
+    error_s: float = 0.0  # what admission adds for the key (``admission_error``)
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,11 @@ class TierLoad:
     workers: int  # attached workers that run the tier's requests
     committed_s: float  # predicted prefill seconds left of the tier's unfinished requests
     switch_s: float  # how long a running prefill takes to give way (p95 observed)
-    margin: float  # observed relative under-estimate (``Scheduler.tier_margin``)
+    margin: float  # the prefill predictor's observed relative under-estimate
     coefficients: tuple[float, float, float]  # the prefill predictor's a, b, c
     calibrated: bool  # the predictor was fitted to measurements, not its fallback
     keys: tuple[KeyLoad, ...] = ()  # per key: the committed work, and the keys active lately
+    error_s: float = 0.0  # what admission adds for a key it has no error of (the tier's)
 
 
 def predict_prefill_s(coefficients: tuple[float, float, float], prompt_tokens: int) -> float:
@@ -88,11 +91,12 @@ class Verdict:
     predicted_ttft_s: float
     slo_s: float
     # Its parts, for the request log and a benchmark's timeline: predicted TTFT = switch_s +
-    # (1 + margin) * (wait_s + own_s), wait_s the committed work ahead per worker.
+    # (1 + margin) * (wait_s + own_s) + error_s, wait_s the committed work ahead per worker.
     wait_s: float = 0.0
     own_s: float = 0.0
     margin: float = 0.0
     switch_s: float = 0.0
+    error_s: float = 0.0
 
     @property
     def retry_after_s(self) -> int:
@@ -131,18 +135,27 @@ def judge(
     own_s = prefill_s(prompt_tokens)
     margin = max(load.margin for load in calibrated)
     switch_s = max(load.switch_s for load in loads)
+    tier_error_s = max(load.error_s for load in loads)
+    error_s = _key_error_s(loads, key_id, tier_error_s)
     keys = _key_loads(loads, pending, prefill_s)
     keys.setdefault(key_id, KeyLoad(key_id, key_weight, 0.0))
     keys[key_id] = KeyLoad(key_id, key_weight, keys[key_id].committed_s)
-    capacity_s = tier_capacity_s(workers, tier.ttft_slo_s, switch_s, margin)
+    capacity_s = tier_capacity_s(workers, tier.ttft_slo_s, switch_s + tier_error_s, margin)
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     committed_s += sum(load.committed_s for load in above)
     wait_s = committed_s / workers
-    ttft_s = switch_s + (1.0 + margin) * (wait_s + own_s)
+    ttft_s = switch_s + (1.0 + margin) * (wait_s + own_s) + error_s
     return Verdict(
         tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
-        switch_s,
+        switch_s, error_s,
     )  # fmt: skip
+
+
+def _key_error_s(loads: Sequence[TierLoad], key_id: str, tier_error_s: float) -> float:
+    """The error admission adds for ``key_id``: the largest any owner measured for it, or the
+    tier's where no owner names the key."""
+    mine = [k.error_s for load in loads for k in load.keys if k.key_id == key_id]
+    return max(mine) if mine else tier_error_s
 
 
 @dataclass(frozen=True)
@@ -184,7 +197,8 @@ def key_share_s(capacity_s: float, weight: float, weights: Sequence[float]) -> f
 
 
 def tier_capacity_s(workers: int, slo_s: float, switch_s: float, margin: float) -> float:
-    """The predicted prefill seconds a tier can hold in flight and still meet its SLO."""
+    """The predicted prefill seconds a tier can hold in flight and still meet its SLO
+    (``switch_s``: with admission's error added)."""
     return workers * max(0.0, slo_s - switch_s) / (1.0 + margin)
 
 

@@ -155,7 +155,10 @@ class Scheduler:
         )
         self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
         # Admission's own TTFT error, per tier that admission judges (``admission_error``).
-        self.admission_errors = AdmissionErrors(tiers.judged())
+        self.admission_errors = AdmissionErrors(
+            {name: tiers[name].ttft_slo_s for name in tiers.judged()},
+            remember_keys=self.config.remember_keys,
+        )
         self._rules = planner.Rules(
             starvation_s=self.config.starvation_s,
             max_preemptions=(
@@ -284,8 +287,8 @@ class Scheduler:
         capacity_s = tier_capacity_s(
             self._serving_workers(),
             req.tier.ttft_slo_s,
-            self.switch_s(),
-            self.tier_margin(req.tier.name),
+            self.switch_s() + self.admission_errors.error_s(req.tier.name),
+            self.prediction_errors.margin(),
         )
         return key_share_s(capacity_s, req.key_weight, list(weights.values()))
 
@@ -317,7 +320,9 @@ class Scheduler:
             req.first_token_s = now
             if req.admission_prediction is not None:
                 ttft_s = now - req.arrival_s
-                self.admission_errors.observe(req.tier.name, req.admission_prediction, ttft_s)
+                self.admission_errors.observe(
+                    req.tier.name, req.key_id, req.admission_prediction, ttft_s
+                )
         if req.state is RequestState.RUNNING:
             # A PREEMPTING one stays so: the engine also stops decode at its next check.
             req.state = RequestState.DECODING
@@ -693,11 +698,6 @@ class Scheduler:
         """The observed p95 time for a preemption to take effect."""
         return self._estimator.switch.p95()
 
-    def tier_margin(self, tier: str) -> float:
-        """The margin admission inflates the tier's predictions by: the prefill predictor's,
-        or admission's own measured TTFT error when that is larger (``admission_error``)."""
-        return max(self.prediction_errors.margin(), self.admission_errors.margin(tier))
-
     def tier_load(self, tier: str, now: float) -> TierLoad:
         """The tier's committed work here, for admission against its capacity
         (``capacity.judge``): the predicted prefill time left of its live requests, in all and
@@ -712,9 +712,13 @@ class Scheduler:
             tier=tier,
             workers=self._serving_workers(),
             committed_s=sum(by_key.values()),
-            keys=tuple(KeyLoad(k, weights[k], by_key[k]) for k in sorted(by_key)),
+            keys=tuple(
+                KeyLoad(k, weights[k], by_key[k], self.admission_errors.error_s(tier, k))
+                for k in sorted(by_key)
+            ),
+            error_s=self.admission_errors.error_s(tier),
             switch_s=self.switch_s(),
-            margin=self.tier_margin(tier),
+            margin=self.prediction_errors.margin(),
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
         )

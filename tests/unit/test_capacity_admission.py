@@ -317,34 +317,71 @@ def measured_scheduler() -> Scheduler:
     return scheduler
 
 
-def serve_one_at_a_time(scheduler: Scheduler, first: int, n: int, ttft_s: float) -> None:
-    """``n`` critical 100-token requests, each alone: its prefill takes the predicted 0.1 s,
-    but its first token comes ``ttft_s`` after its arrival (what no prefill counts: a decode
-    step before it, say)."""
+def serve_one_at_a_time(
+    scheduler: Scheduler, first: int, n: int, ttft_s: float, key_id: str = ""
+) -> None:
+    """``n`` critical 100-token requests of ``key_id``, each alone: its prefill takes the
+    predicted 0.1 s, but its first token comes ``ttft_s`` after its arrival (what no prefill
+    counts: a decode step before it, say)."""
     for i in range(first, first + n):
         t = float(i)
-        scheduler.handle(RequestArrived(f"c{i}", "critical", 100), t)
-        scheduler.handle(PrefillFinished(f"c{i}", "w0", 100, 0.1), t + ttft_s)
-        scheduler.handle(RequestDone(f"c{i}", "w0"), t + ttft_s)
+        rid = f"{key_id}c{i}"
+        scheduler.handle(RequestArrived(rid, "critical", 100, key_id=key_id), t)
+        scheduler.handle(PrefillFinished(rid, "w0", 100, 0.1), t + ttft_s)
+        scheduler.handle(RequestDone(rid, "w0"), t + ttft_s)
 
 
-def test_admission_learns_its_own_ttft_error_and_the_tiers_margin_follows_it():
+def test_admission_learns_how_much_later_than_predicted_first_tokens_come_and_adds_it():
     scheduler = measured_scheduler()
-    serve_one_at_a_time(scheduler, 0, 49, ttft_s=0.2)
-    # Not yet enough requests: the prefill predictor's margin (it was exact) stands alone.
-    assert scheduler.tier_load("critical", 49.0).margin == pytest.approx(0.0)
-    serve_one_at_a_time(scheduler, 49, 1, ttft_s=0.2)
-    critical = scheduler.tier_load("critical", 50.0)
-    # Predicted 0.1 s (no work ahead, its own prefill), took 0.2 s: the margin is +100 %.
-    assert critical.margin == pytest.approx(1.0)
-    assert scheduler.prediction_errors.margin() == pytest.approx(0.0)
-    # The standard tier (the downgrade's) had no request: its margin is the predictor's.
-    assert scheduler.tier_load("standard", 50.0).margin == pytest.approx(0.0)
-    # So admission now refuses a 200-token prompt on an idle tier, which it admitted before.
-    verdict = judge(CRITICAL, [critical], 200)
+    serve_one_at_a_time(scheduler, 0, 19, ttft_s=0.2)
+    # Not yet enough requests: nothing is added.
+    assert scheduler.tier_load("critical", 19.0).error_s == 0.0
+    serve_one_at_a_time(scheduler, 19, 1, ttft_s=0.2)
+    critical = scheduler.tier_load("critical", 20.0)
+    # Predicted 0.1 s (no work ahead, its own prefill), took 0.2 s: 0.1 s is added.
+    assert critical.error_s == pytest.approx(0.1)
+    assert scheduler.prediction_errors.margin() == pytest.approx(0.0)  # the prefills were exact
+    # The standard tier (the downgrade's) had no request: nothing is added there.
+    assert scheduler.tier_load("standard", 20.0).error_s == 0.0
+    # So admission now refuses a 250-token prompt on an idle tier, which it admitted before.
+    verdict = judge(CRITICAL, [critical], 250)
     assert verdict is not None and not verdict.admit
-    assert verdict.predicted_ttft_s == pytest.approx(0.4)
-    assert judge(CRITICAL, [dataclasses.replace(critical, margin=0.0)], 200).admit
+    assert verdict.predicted_ttft_s == pytest.approx(0.35)
+    assert verdict.error_s == pytest.approx(0.1)
+    assert judge(CRITICAL, [dataclasses.replace(critical, error_s=0.0, keys=())], 250).admit
+
+
+def test_each_key_is_judged_on_its_own_errors_once_it_has_enough():
+    scheduler = measured_scheduler()
+    serve_one_at_a_time(scheduler, 0, 20, ttft_s=0.25, key_id="flood")
+    serve_one_at_a_time(scheduler, 20, 19, ttft_s=0.1, key_id="calm")
+    load_now = scheduler.tier_load("critical", 39.0)
+    errors = {k.key_id: k.error_s for k in load_now.keys}
+    assert errors["flood"] == pytest.approx(0.15)
+    assert errors["calm"] == pytest.approx(0.15, abs=1e-3)  # too few yet: the tier's
+    serve_one_at_a_time(scheduler, 39, 1, ttft_s=0.1, key_id="calm")
+    load_now = scheduler.tier_load("critical", 40.0)
+    errors = {k.key_id: k.error_s for k in load_now.keys}
+    assert errors["calm"] == pytest.approx(0.0)
+    assert judge(CRITICAL, [load_now], 200, key_id="calm").admit
+    assert not judge(CRITICAL, [load_now], 200, key_id="flood").admit
+    # A key none of the owners names is judged on the tier's errors.
+    assert judge(CRITICAL, [load_now], 200, key_id="new").error_s == pytest.approx(load_now.error_s)
+
+
+def test_the_error_added_is_at_most_half_the_slo():
+    scheduler = measured_scheduler()
+    serve_one_at_a_time(scheduler, 0, 20, ttft_s=2.0)
+    assert scheduler.tier_load("critical", 20.0).error_s == pytest.approx(0.15)
+
+
+def test_a_loads_errors_survive_the_capacity_topic():
+    load_now = dataclasses.replace(
+        load(0.2), error_s=0.05, keys=(KeyLoad("calm", 1.0, 0.1, error_s=0.02),)
+    )
+    back = published_load(load_record(PublishedLoad("i0", 1.0, load_now, {}))).load
+    assert back.error_s == pytest.approx(0.05)
+    assert back.keys[0].error_s == pytest.approx(0.02)
 
 
 def test_admissions_error_counts_the_work_that_was_ahead_of_a_request():
@@ -358,7 +395,7 @@ def test_admissions_error_counts_the_work_that_was_ahead_of_a_request():
         for rid, done in ((f"a{i}", t + 0.1), (f"b{i}", t + 0.2)):
             scheduler.handle(PrefillFinished(rid, "w0", 100, 0.1), done)
             scheduler.handle(RequestDone(rid, "w0"), done)
-    assert scheduler.tier_load("critical", 50.0).margin == pytest.approx(0.0, abs=1e-9)
+    assert scheduler.tier_load("critical", 50.0).error_s == pytest.approx(0.0, abs=1e-9)
 
 
 # ----------------------------------------------------------------------------- the tier table

@@ -94,7 +94,7 @@ class FinishedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., tbt_p99_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., requested_tier: _Optional[str] = ...) -> None: ...
 
 class TierCapacity(_message.Message):
-    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms", "keys")
+    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms", "keys", "error_s")
     class CountedThroughUnixMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class TierCapacity(_message.Message):
     CALIBRATED_FIELD_NUMBER: _ClassVar[int]
     COUNTED_THROUGH_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_S_FIELD_NUMBER: _ClassVar[int]
     tier: str
     instance_id: str
     as_of_unix_ms: int
@@ -124,14 +125,17 @@ class TierCapacity(_message.Message):
     calibrated: bool
     counted_through_unix_ms: _containers.ScalarMap[str, int]
     keys: _containers.RepeatedCompositeFieldContainer[KeyCapacity]
-    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[_Union[KeyCapacity, _Mapping]]] = ...) -> None: ...
+    error_s: float
+    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[_Union[KeyCapacity, _Mapping]]] = ..., error_s: _Optional[float] = ...) -> None: ...
 
 class KeyCapacity(_message.Message):
-    __slots__ = ("key_id", "weight", "committed_s")
+    __slots__ = ("key_id", "weight", "committed_s", "error_s")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_S_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     weight: float
     committed_s: float
-    def __init__(self, key_id: _Optional[str] = ..., weight: _Optional[float] = ..., committed_s: _Optional[float] = ...) -> None: ...
+    error_s: float
+    def __init__(self, key_id: _Optional[str] = ..., weight: _Optional[float] = ..., committed_s: _Optional[float] = ..., error_s: _Optional[float] = ...) -> None: ...
