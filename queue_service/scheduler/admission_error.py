@@ -33,23 +33,10 @@ measuring.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-from queue_service.scheduler.capacity import Verdict
 from tierflow.recent import RecentMap
-
-
-@dataclass(frozen=True)
-class AdmissionPrediction:
-    """Admission's TTFT prediction for one request, before the error it adds."""
-
-    ttft_s: float
-
-    @classmethod
-    def of(cls, verdict: Verdict) -> AdmissionPrediction:
-        return cls(verdict.predicted_ttft_s - verdict.error_s)
 
 
 class _Errors:
@@ -94,14 +81,12 @@ class AdmissionErrors:
     def judged(self, tier: str) -> bool:
         return tier in self._tiers
 
-    def observe(
-        self, tier: str, key_id: str, predicted: AdmissionPrediction, ttft_s: float
-    ) -> None:
-        """A request of ``key_id`` predicted ``predicted`` on arrival got its first token
-        ``ttft_s`` after it."""
+    def observe(self, tier: str, key_id: str, predicted_ttft_s: float, ttft_s: float) -> None:
+        """A request of ``key_id`` predicted ``predicted_ttft_s`` on arrival (before the error
+        admission adds) got its first token ``ttft_s`` after it."""
         if tier not in self._tiers:
             return
-        error_s = ttft_s - predicted.ttft_s
+        error_s = ttft_s - predicted_ttft_s
         self._tiers[tier].add(error_s)
         key = self._keys.get((tier, key_id))
         if key is None:

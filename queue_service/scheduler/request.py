@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from queue_service.scheduler.admission_error import AdmissionPrediction
 from tierflow.tiers import TierPolicy
 
 
@@ -66,9 +65,9 @@ class Request:
     # Prefilled in a pack with others (``packing``): every member's id, the first holding the
     # worker's prefill; kept while the pack's state lives (until its first tokens, or a drop).
     pack: tuple[str, ...] = ()
-    # What admission predicted for it on arrival, in a tier that admission judges: compared
-    # with its TTFT to learn admission's own error (``admission_error``).
-    admission_prediction: AdmissionPrediction | None = None
+    # The TTFT admission predicted for it on arrival (before the error it adds), in a tier
+    # that admission judges: compared with its TTFT to learn that error (``admission_error``).
+    admission_ttft_s: float | None = None
 
     @property
     def deadline_s(self) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from queue_service.scheduler import decode_batch, fairness, packing, planner
-from queue_service.scheduler.admission_error import AdmissionErrors, AdmissionPrediction
+from queue_service.scheduler.admission_error import AdmissionErrors
 from queue_service.scheduler.capacity import (
     KeyLoad,
     TierLoad,
@@ -244,7 +244,7 @@ class Scheduler:
             progress_at_s=now,
         )
         if self.admission_errors.judged(tier.name):
-            req.admission_prediction = self._admission_prediction(req, now)
+            req.admission_ttft_s = self._admission_ttft_s(req, now)
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
@@ -262,11 +262,11 @@ class Scheduler:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
 
-    def _admission_prediction(self, req: Request, now: float) -> AdmissionPrediction | None:
-        """What admission predicts for ``req`` on this instance's loads, before it counts in
-        them (``capacity.judge``, as ``CapacityBoard.place`` asks it): kept to measure how
-        wrong admission is once its first token is out. None before the predictor is
-        calibrated (admission does not judge then either)."""
+    def _admission_ttft_s(self, req: Request, now: float) -> float | None:
+        """The TTFT admission predicts for ``req`` on this instance's loads, before ``req``
+        counts in them and before the error admission adds (``capacity.judge``, as
+        ``CapacityBoard.place`` asks it): kept to measure that error once its first token is
+        out. None before the predictor is calibrated (admission does not judge then either)."""
         tier = req.tier
         above = [self.tier_load(t.name, now) for t in self.tiers if t.rank < tier.rank]
         verdict = judge(
@@ -277,7 +277,7 @@ class Scheduler:
             key_weight=req.key_weight,
             above=above,
         )
-        return AdmissionPrediction.of(verdict) if verdict is not None else None
+        return verdict.predicted_ttft_s - verdict.error_s if verdict is not None else None
 
     def _burst_credit_s(self, req: Request, now: float) -> float:
         """The key's share of its tier, as admission reckons it (``capacity.key_share_s``):
@@ -318,10 +318,10 @@ class Scheduler:
         req.tokens_done = req.prompt_tokens
         if req.first_token_s is None:
             req.first_token_s = now
-            if req.admission_prediction is not None:
+            if req.admission_ttft_s is not None:
                 ttft_s = now - req.arrival_s
                 self.admission_errors.observe(
-                    req.tier.name, req.key_id, req.admission_prediction, ttft_s
+                    req.tier.name, req.key_id, req.admission_ttft_s, ttft_s
                 )
         if req.state is RequestState.RUNNING:
             # A PREEMPTING one stays so: the engine also stops decode at its next check.
