@@ -61,7 +61,11 @@ def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
         counted_through_unix_ms=published.counted_through_ms,
         keys=[
             queue_pb2.KeyCapacity(
-                key_id=k.key_id, weight=k.weight, committed_s=k.committed_s, error_s=k.error_s
+                key_id=k.key_id,
+                weight=k.weight,
+                committed_s=k.committed_s,
+                error_s=k.error_s,
+                running_s=k.running_s,
             )
             for k in load.keys
         ],
@@ -83,7 +87,8 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
         coefficients=(a, b, c),
         calibrated=record.calibrated,
         keys=tuple(
-            KeyLoad(k.key_id, k.weight or 1.0, k.committed_s, k.error_s) for k in record.keys
+            KeyLoad(k.key_id, k.weight or 1.0, k.committed_s, k.error_s, k.running_s)
+            for k in record.keys
         ),
         error_s=record.error_s,
     )

@@ -24,13 +24,14 @@ request whose own prefill alone exceeds the SLO.
 Between the keys of a tier (``fairness``) the scheduler serves in weighted fair order, so the
 work ahead of a newcomer of key k is not all the tier's committed work but its own key's ``c_k``
 and, of every other key j, what fair order runs first: ``min(c_j, w_j / w_k * max(0, c_k + own -
-B))``, where ``B``, the burst credit of a key that was idle, is its share of the tier
+B))``, or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later,
+does not preempt it), where ``B``, the burst credit of a key that was idle, is its share of the tier
 (``share_k`` below; ``fairness``). Fair order also lets another key's later requests run before
 it, up to that key's share of the tier. So while key k is over its own share (``c_k + own >
 share_k``, with work of its own already committed), admission keeps the unused share of every
 other active key free for it:
 
-    committed_s = c_k + sum_j min(c_j, w_j / w_k * max(0, c_k + own - B))
+    committed_s = c_k + sum_j max(r_j, min(c_j, w_j / w_k * max(0, c_k + own - B)))
                       + (sum_j max(0, share_j - c_j)  if 0 < c_k and k is over its share)
     share_j     = W * (SLO - switch_s - error_s) / (1 + margin) * w_j / (sum of active w)
 
@@ -45,6 +46,7 @@ the top tier into an unbounded backlog of the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +62,9 @@ class KeyLoad:
     weight: float
     committed_s: float
     error_s: float = 0.0  # what admission adds for the key (``admission_error``)
+    # The part of ``committed_s`` prefilling on a worker now. Another key's newcomer waits for
+    # it whatever fair order says: a same-tier request of a later deadline does not preempt it.
+    running_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,8 @@ def judge(
     tier_error_s = max(load.error_s for load in loads)
     error_s = _key_error_s(loads, key_id, tier_error_s)
     keys = _key_loads(loads, pending, prefill_s)
-    keys.setdefault(key_id, KeyLoad(key_id, key_weight, 0.0))
-    keys[key_id] = KeyLoad(key_id, key_weight, keys[key_id].committed_s)
+    mine = keys.get(key_id, KeyLoad(key_id, key_weight, 0.0))
+    keys[key_id] = dataclasses.replace(mine, weight=key_weight)
     capacity_s = tier_capacity_s(workers, tier.ttft_slo_s, switch_s + tier_error_s, margin)
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     committed_s += sum(load.committed_s for load in above)
@@ -174,15 +179,19 @@ def _key_loads(
     A load that names no keys (one from before keys were published) counts as key ""."""
     keys: dict[str, KeyLoad] = {}
 
-    def add(key_id: str, weight: float, seconds: float) -> None:
-        before = keys.get(key_id)
-        total = seconds + (before.committed_s if before else 0.0)
-        keys[key_id] = KeyLoad(key_id, max(weight, before.weight if before else 0.0), total)
+    def add(key_id: str, weight: float, seconds: float, running_s: float = 0.0) -> None:
+        before = keys.get(key_id, KeyLoad(key_id, 0.0, 0.0))
+        keys[key_id] = KeyLoad(
+            key_id,
+            max(weight, before.weight),
+            before.committed_s + seconds,
+            running_s=before.running_s + running_s,
+        )
 
     for load in loads:
         named = sum(k.committed_s for k in load.keys)
         for key in load.keys:
-            add(key.key_id, key.weight, key.committed_s)
+            add(key.key_id, key.weight, key.committed_s, key.running_s)
         if load.committed_s > named + 1e-9:
             add("", 1.0, load.committed_s - named)
     for item in pending:
@@ -210,7 +219,9 @@ def _ahead_s(keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: fl
     weights = [k.weight for k in keys.values()]
     share = key_share_s(capacity_s, mine.weight, weights)
     tag = max(0.0, mine.committed_s + own_s - share) / mine.weight  # past its burst credit
-    ahead = mine.committed_s + sum(min(k.committed_s, k.weight * tag) for k in others)
+    ahead = mine.committed_s + sum(
+        max(min(k.committed_s, k.weight * tag), k.running_s) for k in others
+    )
     if mine.committed_s > 0 and mine.committed_s + own_s > share:
         ahead += sum(
             max(0.0, key_share_s(capacity_s, k.weight, weights) - k.committed_s) for k in others

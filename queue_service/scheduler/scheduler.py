@@ -704,16 +704,23 @@ class Scheduler:
         per key, with every key that sent the tier a request in the last ``key_active_s``."""
         weights = dict(self._keys.active(tier, now - self.config.key_active_s))
         by_key = dict.fromkeys(weights, 0.0)
+        running = dict.fromkeys(weights, 0.0)
         for r in self._requests.values():
             if r.tier.name == tier:
-                by_key[r.key_id] = by_key.get(r.key_id, 0.0) + self._estimator.prefill_left(r, now)
+                left_s = self._estimator.prefill_left(r, now)
+                by_key[r.key_id] = by_key.get(r.key_id, 0.0) + left_s
+                running[r.key_id] = running.get(r.key_id, 0.0)
+                if r.state is RequestState.RUNNING:
+                    running[r.key_id] += left_s
                 weights[r.key_id] = r.key_weight
         return TierLoad(
             tier=tier,
             workers=self._serving_workers(),
             committed_s=sum(by_key.values()),
             keys=tuple(
-                KeyLoad(k, weights[k], by_key[k], self.admission_errors.error_s(tier, k))
+                KeyLoad(
+                    k, weights[k], by_key[k], self.admission_errors.error_s(tier, k), running[k]
+                )
                 for k in sorted(by_key)
             ),
             error_s=self.admission_errors.error_s(tier),

@@ -119,6 +119,23 @@ def test_a_key_within_its_burst_credit_waits_for_none_of_another_keys_work():
     assert not beyond.admit and beyond.predicted_ttft_s == pytest.approx(0.25 + 0.2 + 0.1)
 
 
+def test_another_keys_running_prefill_is_ahead_even_within_the_burst_credit():
+    # As above, the calm key's 50-token newcomer is inside its burst credit, but 0.2 s of the
+    # flood's work is prefilling now: a newcomer due later does not preempt it, so it waits.
+    running = dataclasses.replace(
+        keyed(flood=0.25, calm=0.1),
+        keys=(KeyLoad("flood", 1.0, 0.25, running_s=0.2), KeyLoad("calm", 1.0, 0.1)),
+    )
+    verdict = judge(CRITICAL, [running], 50, key_id="calm")
+    assert not verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.1 + 0.2 + 0.05)
+    # Fair order's part counts when it is the larger: 0.2 s dealt in, 0.05 s running.
+    beyond = dataclasses.replace(
+        keyed(flood=0.25, calm=0.25),
+        keys=(KeyLoad("flood", 1.0, 0.25, running_s=0.05), KeyLoad("calm", 1.0, 0.25)),
+    )
+    assert judge(CRITICAL, [beyond], 100, key_id="calm").predicted_ttft_s == pytest.approx(0.55)
+
+
 def test_a_keys_first_request_is_never_over_its_share():
     # With a 0.8 margin a key's share is 0.3 / 1.8 / 2 = 0.083 s, less than its 100 ms prompt.
     # With nothing of its own committed it is not over its share: nothing is reserved for the
@@ -276,7 +293,8 @@ def test_an_older_load_of_the_same_owner_does_not_replace_a_newer_one():
 
 def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
     keyed = dataclasses.replace(
-        load(0.7, workers=3, margin=0.2), keys=(KeyLoad("acme", 2.0, 0.5), KeyLoad("zed", 1.0, 0.2))
+        load(0.7, workers=3, margin=0.2),
+        keys=(KeyLoad("acme", 2.0, 0.5, running_s=0.25), KeyLoad("zed", 1.0, 0.2)),
     )
     published = PublishedLoad("owner", 1234.5, keyed, {"edge-a": 7})
     assert published_load(load_record(published)) == published
@@ -300,10 +318,14 @@ def test_the_scheduler_commits_the_prefill_left_of_its_live_requests_of_the_tier
     assert committed.workers == 1
     assert committed.committed_s == pytest.approx(0.3)
     assert not committed.calibrated  # the fallback coefficients were never measured
-    # c0 started at 0 and reached its first token: only c1 is left.
+    # c0 is prefilling: its 0.1 s is the key's running part, c1's 0.2 s waits.
+    assert committed.keys[0].running_s == pytest.approx(0.1)
+    # c0 started at 0 and reached its first token: only c1 is left, and it runs now.
     commands = scheduler.handle(PrefillFinished("c0", "w0", 100, 0.1), 0.1)
     assert any(isinstance(c, Assign) and c.request_id == "c1" for c in commands)
-    assert scheduler.tier_load("critical", 0.1).committed_s == pytest.approx(0.2)
+    after = scheduler.tier_load("critical", 0.1)
+    assert after.committed_s == pytest.approx(0.2)
+    assert after.keys[0].running_s == pytest.approx(0.2)
 
 
 def measured_scheduler() -> Scheduler:
