@@ -89,10 +89,10 @@ class SchedulingPolicy(ABC):
     # After this many preemptions a request runs to completion (``SchedulerConfig`` may set
     # another bound). A preemption that keeps the state costs its victim one interruption
     # point (at most the preemption budget, 25 ms) and no work, so the bound only stops a
-    # preempt/resume loop: 32 lets a long prompt yield to every critical arrival of a sustained
-    # load (a 4000-token prompt takes seconds; at 2-3 critical arrivals a second the old bound
-    # of 8 was reached within it, and the prompt then ran on for seconds with critical
-    # requests waiting behind it: the calm key's misses in `tierflow bench --flood`).
+    # preempt/resume loop. Under a tier guard (``guards_tiers``) a preemption for a higher
+    # tier is not counted at all: the guard protects the victim's own deadline. A count did
+    # not: a batch prompt under the 3x critical flood of `tierflow bench --flood` reached 32
+    # and then prefilled for 1.7 s with critical requests waiting behind it.
     max_preemptions: ClassVar[int] = 32
     # Whether the planner applies ``guarded`` on top of ``key`` (the tier guard).
     guards_tiers: ClassVar[bool] = False

@@ -49,7 +49,7 @@ class Request:
     chunk_fraction: float = 0.0
     prefilled: bool = False  # first token sent and the state still exists: decoding
     worker_id: str | None = None  # running it, or holding its suspended state
-    preemptions: int = 0
+    preemptions: int = 0  # those the bound counts (``planner.Rules``; ``Scheduler._preempt``)
     # When tokens_done was last exact (start, resume, progress): the estimate of what is left
     # subtracts the time spent since, so a silent worker does not freeze the estimate.
     progress_at_s: float = 0.0

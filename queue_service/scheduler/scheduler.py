@@ -606,7 +606,10 @@ class Scheduler:
         commands: list[Command] = []
         for req in (victim, *packing.riders(worker, self._requests)):
             req.state = RequestState.PREEMPTING
-            req.preemptions += 1
+            # Under a tier guard a preemption for a higher tier is not bounded: the guard
+            # keeps the victim's turn when waiting would miss its own deadline (``policies``).
+            guarded = self.policy.guards_tiers and beneficiary.tier.rank < req.tier.rank
+            req.preemptions += 0 if guarded else 1
             commands.append(Preempt(req.request_id, worker.worker_id, drop_state))
         return commands
 
