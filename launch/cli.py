@@ -244,8 +244,17 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from tierflow.client import TierflowClient
+    from tierflow.identity import Identity, Role, TlsFiles
 
-    with TierflowClient(args.target, api_key=args.api_key, tier=args.tier) as client:
+    credentials = (
+        None
+        if args.tls_dir is None
+        else TlsFiles.load(args.tls_dir, Identity(Role.OPERATOR)).channel_credentials()
+    )
+    client = TierflowClient(
+        args.target, api_key=args.api_key, tier=args.tier, credentials=credentials
+    )
+    with client:
         try:
             for event in client.generate(
                 args.prompt, max_new_tokens=args.max_new_tokens,
@@ -315,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_up, _add_down):
         add(sub)
     _add_generate(sub)
+    _add_certs(sub)
     _add_protoset(sub)
     _add_soak(sub)
     _add_demo(sub)
@@ -588,12 +598,45 @@ def _add_down(sub) -> None:
     down.set_defaults(func=_down)
 
 
+def _add_certs(sub) -> None:
+    c = sub.add_parser(
+        "certs", help="create the local CA and the services' identities for mTLS (once)"
+    )
+    c.add_argument("--dir", type=Path, help="default: certs/ in the cache (~/.cache/tierflow)")
+    c.add_argument(
+        "--worker", action="append", default=[], metavar="ID",
+        help="also a worker's identity, bound to its worker id (repeatable)",
+    )  # fmt: skip
+    c.set_defaults(func=_certs)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from launch.certs import STANDARD, default_dir, ensure
+    from tierflow.identity import Identity
+
+    directory = args.dir or default_dir()
+    try:
+        identities = [*STANDARD, *(Identity.worker(w) for w in args.worker)]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    issued = ensure(directory, identities)
+    for identity in identities:
+        state = "issued" if identity in issued else "kept"
+        print(f"{state:6} {identity.common_name:24} {directory / identity.file_stem}.pem")
+    return 0
+
+
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="send one request and stream its events")
     g.add_argument("prompt")
     g.add_argument("--target", default="127.0.0.1:8080", help="Envoy (or a queue service)")
     g.add_argument("--api-key", help="through the edge: the key decides the tier")
     g.add_argument("--tier", help="direct to a queue service (trusted header)")
+    g.add_argument(
+        "--tls-dir", type=Path,
+        help="direct to a queue service over mTLS, as the operator (`tierflow certs`)",
+    )  # fmt: skip
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=300.0)

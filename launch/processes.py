@@ -120,10 +120,21 @@ class ServiceProcess:
 QUEUE_SERVICE_LISTENING = "tierflow.v1.WorkerControl"
 
 
-def wait_serving(target: str, timeout: float = 60.0, service: str = "") -> None:
-    """Until the gRPC health service at ``target`` answers SERVING."""
+def wait_serving(
+    target: str,
+    timeout: float = 60.0,
+    service: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
+    """Until the gRPC health service at ``target`` answers SERVING (over mTLS with
+    ``credentials``: an identity's, ``TlsFiles.channel_credentials``)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -50,3 +50,6 @@ class QueueServiceConfig:
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
     # Where /metrics listens: loopback unless the deployment opens it (compose: its network).
     metrics_host: str = METRICS_LOOPBACK
+    # mTLS: the CA and the queue service's identity (``tierflow certs``). None: plaintext, for
+    # development only (``--plaintext``): every peer is trusted (``queue_service/trust.py``).
+    tls_dir: Path | None = None

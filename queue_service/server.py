@@ -1,10 +1,12 @@
 """The queue service process: client API + worker control stream + Kafka, on one asyncio loop.
 
     python -m queue_service.server --listen 127.0.0.1:50051 --model tiny-llama \
-        --kafka-bootstrap 127.0.0.1:9092
+        --kafka-bootstrap 127.0.0.1:9092 --tls-dir ~/.cache/tierflow/certs
 
 Serves ``tierflow.v1.Tierflow`` (clients, through the edge) and ``tierflow.v1.WorkerControl``
 (worker processes dial in), plus the standard gRPC health service and server reflection.
+With ``--tls-dir`` every peer presents a certificate of the deployment's CA, and what it may
+call follows from its identity (``queue_service/trust.py``); ``--plaintext`` is for development.
 Health: ``tierflow.v1.WorkerControl`` is SERVING once the server listens (workers may attach);
 the server as a whole ("") and ``tierflow.v1.Tierflow`` are SERVING only while it can serve a
 client: a worker is attached and Kafka is not known to be down.
@@ -39,8 +41,10 @@ from queue_service.scheduler import (
     SchedulerConfig,
     make_policy,
 )
+from queue_service.trust import Trust
 from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
+from tierflow.identity import PLAINTEXT_WARNING, Identity, Role, TlsFiles, add_tls_arguments
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
@@ -98,7 +102,10 @@ class QueueService:
             no_worker_timeout_s=config.no_worker_timeout_s,
             decode_stream=lambda: info.tokenizer.decode_stream(skip_special_tokens=True).step,
         )
-        self.workers = WorkerApi(self.core, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        trust = Trust(mtls=config.tls_dir is not None)
+        self.workers = WorkerApi(
+            self.core, heartbeat_timeout_s=config.heartbeat_timeout_s, trust=trust
+        )
         self.capacity_tiers = tiers.judged()
         self.board = CapacityBoard(config.instance_id, tiers, stale_after_s=config.capacity_stale_s)
         self.clients = ClientApi(
@@ -115,6 +122,7 @@ class QueueService:
             heartbeat_s=config.stream_heartbeat_s,
             deployment=config.deployment,
             refused=self._refused,
+            trust=trust,
         )
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
@@ -130,7 +138,12 @@ class QueueService:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(config.listen)
+        if config.tls_dir is not None:
+            tls = TlsFiles.load(config.tls_dir, Identity(Role.QUEUE_SERVICE))
+            self.port = self.server.add_secure_port(config.listen, tls.server_credentials())
+        else:
+            log.warning(PLAINTEXT_WARNING, listen=config.listen)
+            self.port = self.server.add_insecure_port(config.listen)
 
     def _request_ended(self, live: LiveRequest, now: float) -> None:
         """One request-log record per request, counted by the metrics from the same record."""
@@ -277,6 +290,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     )  # fmt: skip
     p.add_argument("--deployment", default=defaults.deployment, help="metrics/request-log label")
     add_metrics_arguments(p)
+    add_tls_arguments(p)
     args = p.parse_args(argv)
     overrides = {
         k: v
@@ -299,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        tls_dir=args.tls_dir,
         **extra,
     )
 

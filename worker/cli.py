@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import structlog
 
+from tierflow.identity import PLAINTEXT_WARNING, Identity, TlsFiles, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments
 from worker.config import CHECK_GRANULARITIES, WorkerConfig
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch_arguments(parser)
     parser.add_argument("--deployment", default=WorkerConfig.deployment, help="metrics label")
     add_metrics_arguments(parser)
+    add_tls_arguments(parser)
     return parser
 
 
@@ -173,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         slot_tokens=args.slot_tokens,
         preallocate_kv=args.preallocate_kv,
         cpus=args.cpus,
+        tls_dir=args.tls_dir,
         **extra,
     )
 
@@ -186,6 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     main_log = log.bind(worker_id=config.worker_id)
+    if config.tls_dir is None:
+        main_log.warning(PLAINTEXT_WARNING)
+    else:
+        try:  # a missing certificate is a usage error now, not a reconnect loop later
+            TlsFiles.load(config.tls_dir, Identity.worker(config.worker_id))
+        except (FileNotFoundError, ValueError) as exc:
+            parser.error(str(exc))
     try:
         pin_cpus(config.cpus)
     except OSError as exc:  # a core this machine does not have

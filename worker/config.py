@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
 from tierflow.catalogue import DEFAULT_MODEL
@@ -139,6 +140,9 @@ class WorkerConfig:
     # default threads. Two workers on one machine each get their own cores, or their products
     # contend for the same ones and each runs at the other's pace.
     cpus: tuple[int, ...] | None = None
+    # mTLS: the CA and this worker's identity (``tierflow certs --worker <id>``), which names
+    # its worker id; None: plaintext, for development only (``--plaintext``).
+    tls_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.queue_service:

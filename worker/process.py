@@ -33,6 +33,7 @@ import time
 import grpc
 import structlog
 
+from tierflow.identity import Identity, TlsFiles
 from tierflow.metrics import serve_metrics
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 from worker import wire
@@ -202,16 +203,22 @@ class WorkerProcess:
 
     # ------------------------------------------------------------ control thread
 
+    def _channel(self) -> grpc.Channel:
+        """To the queue service: with this worker's identity under mTLS, else plaintext."""
+        # gRPC's own redial schedule while the queue service is down, in our bounds.
+        options = [
+            ("grpc.initial_reconnect_backoff_ms", int(self.config.reconnect_min_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.config.reconnect_max_s * 1000)),
+        ]
+        target = self.config.queue_service
+        if self.config.tls_dir is None:
+            return grpc.insecure_channel(target, options=options)
+        tls = TlsFiles.load(self.config.tls_dir, Identity.worker(self.config.worker_id))
+        return grpc.secure_channel(target, tls.channel_credentials(), options=options)
+
     def _control_loop(self) -> None:
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
-        channel = grpc.insecure_channel(
-            self.config.queue_service,
-            # gRPC's own redial schedule while the queue service is down, in our bounds.
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", int(self.config.reconnect_min_s * 1000)),
-                ("grpc.max_reconnect_backoff_ms", int(self.config.reconnect_max_s * 1000)),
-            ],
-        )
+        channel = self._channel()
         try:
             while not self._stopping.is_set():
                 healthy = self._attach_once(channel)

@@ -46,6 +46,7 @@ from queue_service.clients.wire import Unparsable
 from queue_service.core.capacity_board import CapacityBoard
 from queue_service.core.live import LiveRequest, Outcome
 from queue_service.core.service_core import ClientError, ClientItem, ServiceCore
+from queue_service.trust import PLAINTEXT, Trust
 from tierflow.tiers import TierTable
 from tierflow.v1 import queue_pb2, serving_pb2, serving_pb2_grpc
 
@@ -67,7 +68,9 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         heartbeat_s: float = 10.0,
         deployment: str = "",
         refused: Callable[[queue_pb2.QueuedRequest], None] = lambda record: None,
+        trust: Trust = PLAINTEXT,
     ) -> None:
+        self.trust = trust
         self.core = core
         self.tiers = tiers
         self.limits = limits
@@ -84,6 +87,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateEvent]:
+        await self._authorize(context)
         if isinstance(request, Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         intake = await self._admit(request, context)
@@ -139,6 +143,13 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
                 self.core.close_client(request_id)
             else:
                 self.core.client_gone(request_id)
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        """The call ends with PERMISSION_DENIED unless the peer's identity may call the client
+        API: the tier and key headers are taken only from the edge (``queue_service/trust``)."""
+        refusal = self.trust.refuses_client(context)
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
 
     async def _admit(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -308,6 +319,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
     ) -> serving_pb2.RequestStatus:
         """The request of that id in the caller's key's scope; another key's is NOT_FOUND,
         exactly like an id nobody used."""
+        await self._authorize(context)
         if isinstance(request, Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:

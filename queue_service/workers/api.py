@@ -20,6 +20,7 @@ import structlog
 
 from queue_service.config import QueueServiceConfig
 from queue_service.core.service_core import ServiceCore
+from queue_service.trust import PLAINTEXT, Trust
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("queue_service.workers.api")
@@ -92,9 +93,11 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
         core: ServiceCore,
         *,
         heartbeat_timeout_s: float = QueueServiceConfig.heartbeat_timeout_s,
+        trust: Trust = PLAINTEXT,
     ) -> None:
         self.core = core
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.trust = trust
         self.sessions: dict[str, WorkerSession] = {}
 
     async def Attach(
@@ -106,6 +109,11 @@ class WorkerApi(worker_pb2_grpc.WorkerControlServicer):
         if first is None or first.WhichOneof("event") != "hello" or not first.hello.worker_id:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "first message must be Hello")
         hello = first.hello
+        refusal = self.trust.refuses_attach(context, hello.worker_id)
+        if refusal is not None:
+            # Before anything changes: a refused peer never replaces the worker of that id.
+            log.warning("attach refused", worker_id=hello.worker_id, reason=refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         if hello.kv_slots < 1:
             # A worker from before every worker batched (0 meant "unbatched"): the scheduler
             # has no such worker any more, so it is told, not half-served.

@@ -18,6 +18,7 @@ from launch.processes import (
     wait_http_ok,
     wait_serving,
 )
+from tierflow.identity import Identity, Role, TlsFiles
 from worker.config import WorkerConfig
 
 
@@ -30,7 +31,9 @@ def start_queue_service(
     port: int | None = None,
     instance_id: str = "qs-1",
     extra: list[str] | None = None,
+    tls_dir: Path | None = None,
 ) -> tuple[ServiceProcess, str]:
+    """``tls_dir``: mTLS with the identities there (``launch.certs.ensure``); else plaintext."""
     port = port or free_port()
     args = python_module(
         "queue_service.server",
@@ -49,6 +52,7 @@ def start_queue_service(
     )
     if tiers is not None:
         args += ["--tiers", str(tiers)]
+    args += tls_arguments(tls_dir)
     proc = ServiceProcess(
         f"queue-service:{port}",
         args + (extra or []),
@@ -56,8 +60,19 @@ def start_queue_service(
         env={"TIERFLOW_KAFKA_GROUP_ID": kafka_settings.group_id},
     )
     target = f"127.0.0.1:{port}"
-    wait_serving(target, service=QUEUE_SERVICE_LISTENING)
+    wait_serving(target, service=QUEUE_SERVICE_LISTENING, credentials=operator(tls_dir))
     return proc, target
+
+
+def tls_arguments(tls_dir: Path | None) -> list[str]:
+    return ["--tls-dir", str(tls_dir)] if tls_dir is not None else ["--plaintext"]
+
+
+def operator(tls_dir: Path | None):
+    """The operator's channel credentials under mTLS (what the tests call directly as)."""
+    if tls_dir is None:
+        return None
+    return TlsFiles.load(tls_dir, Identity(Role.OPERATOR)).channel_credentials()
 
 
 def start_worker(
@@ -69,8 +84,11 @@ def start_worker(
     chunk_size: int = 512,
     check: str = WorkerConfig.check,
     extra: list[str] | None = None,
+    tls_dir: Path | None = None,
+    wait: bool = True,
 ) -> ServiceProcess:
-    """``extra``: more command-line arguments (``--kv-slots 4``: four KV slots)."""
+    """``extra``: more command-line arguments (``--kv-slots 4``: four KV slots). ``wait``:
+    until it logs "attached"."""
     args = python_module(
         "worker.process",
         "--queue-service",
@@ -85,10 +103,12 @@ def start_worker(
         check,
         "--device",
         "cpu",
+        *tls_arguments(tls_dir),
         *(extra or []),
     )
     proc = ServiceProcess(f"worker:{worker_id}", args, tmp / f"worker_{worker_id}.log")
-    proc.wait_for_log("attached", timeout=120)
+    if wait:
+        proc.wait_for_log("attached", timeout=120)
     return proc
 
 

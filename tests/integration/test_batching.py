@@ -205,7 +205,7 @@ def test_a_decode_dropped_for_a_higher_tier_comes_back_without_a_token_lost_or_r
 def test_bad_batch_sizes_and_a_request_larger_than_a_slot_are_clear_errors(stack):
     target = stack.queue_service()
     # A batch of size 0 (each size's own message: tests/unit/test_worker_process.py).
-    command = [sys.executable, "-m", "worker.process", "--queue-service", target]
+    command = [sys.executable, "-m", "worker.process", "--queue-service", target, "--plaintext"]
     command += ["--kv-slots", "2", "--max-batch-size", "0"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "max_batch_size must be >= 1" in done.stderr, done.stderr

@@ -409,6 +409,7 @@ def test_main_attaches_and_exits_0_on_sigterm(queue_service):
         "cpu",
         "--worker-id",
         "w-main",
+        "--plaintext",
     ]
     proc = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -638,7 +639,7 @@ def test_batch_and_pool_sizes_are_checked_with_a_clear_error(sizes, message, cap
         WorkerConfig(queue_service="127.0.0.1:1", **sizes)
     from worker.cli import main
 
-    argv = ["--queue-service", "127.0.0.1:1"]
+    argv = ["--queue-service", "127.0.0.1:1", "--plaintext"]
     for name, value in sizes.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
     with pytest.raises(SystemExit) as exited:

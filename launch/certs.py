@@ -1,0 +1,178 @@
+"""The local certificate authority: ``tierflow certs`` creates it once and issues every
+service's identity from it (``tierflow/identity.py`` says who is who and who accepts whom).
+
+    tierflow certs                      # the CA and the standard identities, in the cache
+    tierflow certs --worker w0 --worker w1
+
+The CA's key stays in the directory it was made in, next to the identities it issued. That is
+a development and single-host CA, cached outside the clone like the Python environment; a
+deployment brings its own (Kubernetes secrets, a mesh's CA) in the same file layout:
+``ca.pem`` and, per identity, ``<stem>.pem`` and ``<stem>.key`` (``Identity.file_stem``).
+
+Keys are ECDSA P-256: a thousand times faster to make than RSA, and what TLS 1.3 and gRPC's
+BoringSSL prefer. Leaves carry both server and client authentication, and the names a peer
+dials them by: ``localhost``, 127.0.0.1, ::1 and the compose service name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tierflow.identity import CA_FILE, Identity, Role
+
+CA_KEY_FILE = "ca.key"
+CA_NAME = "tierflow local CA"
+CA_DAYS = 3650
+LEAF_DAYS = 365
+RENEW_BEFORE = datetime.timedelta(days=30)  # a leaf closer than this to its end is reissued
+
+# What every standard deployment runs; workers are issued by id (``--worker``).
+STANDARD = (
+    Identity(Role.EDGE),
+    Identity(Role.OPENAI_API),
+    Identity(Role.GATEWAY),
+    Identity(Role.QUEUE_SERVICE),
+    Identity(Role.OPERATOR),
+)
+
+
+# A CA signs certificates (and revocation lists), nothing else.
+_CA_KEY_USAGE = x509.KeyUsage(
+    **dict.fromkeys(("digital_signature", "key_cert_sign", "crl_sign"), True),
+    **dict.fromkeys(
+        ("content_commitment", "key_encipherment", "data_encipherment", "key_agreement",
+         "encipher_only", "decipher_only"),
+        False,
+    ),
+)  # fmt: skip
+
+
+def default_dir() -> Path:
+    """Where ``tierflow certs``, ``tierflow up`` and the demo keep the CA: beside the cached
+    Python environment (``scripts/bootstrap.sh``), outside any clone."""
+    cache = os.environ.get("TIERFLOW_CACHE") or Path.home() / ".cache" / "tierflow"
+    return Path(cache) / "certs"
+
+
+@dataclass(frozen=True)
+class Authority:
+    """A CA that can issue identities: its key and certificate."""
+
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+
+def ensure(directory: Path, identities: Iterable[Identity] = STANDARD) -> list[Identity]:
+    """The CA in ``directory`` (made if absent) and each of ``identities`` issued by it, unless
+    a valid one is there already. Returns the identities it issued now."""
+    directory.mkdir(parents=True, exist_ok=True)
+    authority = _load_or_make_ca(directory)
+    issued = []
+    for identity in identities:
+        if not _current(directory, identity, authority):
+            issue(directory, identity, authority)
+            issued.append(identity)
+    return issued
+
+
+def issue(directory: Path, identity: Identity, authority: Authority) -> None:
+    """Writes ``identity``'s key and certificate, signed by ``authority``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    names = [x509.DNSName(h) for h in ("localhost", identity.role.value)]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1")]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.common_name)]))
+        .issuer_name(authority.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(authority.key, hashes.SHA256())
+    )
+    stem = identity.file_stem
+    _write_key(directory / f"{stem}.key", key)
+    (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _load_or_make_ca(directory: Path) -> Authority:
+    key_path, cert_path = directory / CA_KEY_FILE, directory / CA_FILE
+    if key_path.exists() and cert_path.exists():
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey), f"{key_path} is not an EC key"
+        return Authority(key, x509.load_pem_x509_certificate(cert_path.read_bytes()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_CA_KEY_USAGE, critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    _write_key(key_path, key)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return Authority(key, cert)
+
+
+def _current(directory: Path, identity: Identity, authority: Authority) -> bool:
+    """Whether ``identity``'s certificate is there, issued by this CA and not near its end."""
+    cert_path = directory / f"{identity.file_stem}.pem"
+    if not cert_path.exists() or not (directory / f"{identity.file_stem}.key").exists():
+        return False
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    return (
+        cert.issuer == authority.cert.subject
+        and cert.not_valid_after_utc - RENEW_BEFORE > _now()
+        and _signed_by(cert, authority)
+    )
+
+
+def _signed_by(cert: x509.Certificate, authority: Authority) -> bool:
+    try:
+        cert.verify_directly_issued_by(authority.cert)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    """A private key, readable by its owner only."""
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
