@@ -3,7 +3,8 @@
 There is one Envoy configuration: the file the docker-compose deployment mounts. This module
 loads it and changes only what differs on one machine: the listener and admin ports (on
 127.0.0.1), the upstream endpoints (127.0.0.1:port instead of compose service names), the path
-of the descriptor set, and optionally the canary share and the per-tier rate limits. Routes,
+of the descriptor set, and optionally the canary share, the per-tier rate limits and mTLS to
+the queue service. Routes,
 filters and timeouts stay as shipped, so what the tests exercise is what is deployed.
 
 It lives here rather than in ``envoy/`` because ``envoy/`` holds configuration only: an
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 
 from tierflow.addresses import parse_target
+from tierflow.identity import CA_FILE, Identity, Role
 from tierflow.tiers import TIER_HEADER
 
 ENVOY_YAML = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
@@ -55,6 +57,7 @@ def render_envoy_config(
     canary_percent: int = 0,
     rate_limits: dict[str, tuple[int, float]] | None = None,
     template: Path = ENVOY_YAML,
+    tls_dir: Path | None = None,
 ) -> str:
     """The shipped Envoy config, rewritten for processes on this machine; returns YAML.
 
@@ -66,7 +69,9 @@ def render_envoy_config(
     ``(burst, per_second)``: each key of the tier gets a token bucket of ``burst`` requests
     that refills at ``per_second`` requests a second (see ``token_bucket``), on each of the
     tier's routes (its gRPC/JSON route and its OpenAI route, a bucket each); tiers not named
-    keep the shipped limits.
+    keep the shipped limits. ``tls_dir``: Envoy reaches the queue service (both clusters)
+    over mTLS as the ``edge`` identity from there (``tierflow certs``), and accepts only a
+    server certificate that names ``queue-service``.
     """
     if not 0 <= canary_percent <= 100:
         raise ValueError(f"canary_percent must be in [0, 100], got {canary_percent}")
@@ -89,6 +94,10 @@ def render_envoy_config(
             OPENAI_API: openai_api,
         },
     )
+    if tls_dir is not None:
+        for name in (PRIMARY, CANARY):
+            cluster = _named(config["static_resources"]["clusters"], name, "cluster")
+            cluster["transport_socket"] = upstream_tls(tls_dir, Role.QUEUE_SERVICE)
     hcm = _http_connection_manager(listener)
     transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
     transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())
@@ -96,6 +105,35 @@ def render_envoy_config(
     _set_canary_weights(routes, canary_percent)
     _set_rate_limits(routes, rate_limits or {})
     return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+def upstream_tls(tls_dir: Path, server: Role) -> dict[str, Any]:
+    """Envoy's client side of mTLS: the edge's certificate, the CA as the only trust anchor,
+    and the server's identity checked by name (its certificate's DNS name is its role)."""
+    edge = Path(tls_dir).resolve() / Identity(Role.EDGE).file_stem
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3."
+            "UpstreamTlsContext",
+            "sni": server.value,
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],  # gRPC servers require it
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": f"{edge}.pem"},
+                        "private_key": {"filename": f"{edge}.key"},
+                    }
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": str(Path(tls_dir).resolve() / CA_FILE)},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "DNS", "matcher": {"exact": server.value}}
+                    ],
+                },
+            },
+        },
+    }
 
 
 def _point_clusters(clusters: list[dict], targets: Mapping[str, str | None]) -> None:

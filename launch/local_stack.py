@@ -2,11 +2,13 @@
 
 Starts, in dependency order and each only once the previous answers: a Kafka broker (KRaft,
 from its Maven Central jars), the queue service, N workers (each attached), the gateway
-(ext_authz), the OpenAI-compatible service and Envoy (the edge). Every process logs to one
-directory. Once up, a supervisor (``launch.supervisor``) restarts a child that exits, with
-backoff, and gives up loudly after repeated failures (``supervisor.failed``). ``stop()`` (Ctrl-C in
-``tierflow up``, or ``tierflow down`` from another shell) stops them in reverse order; children
-also die with the launcher if it is killed, so nothing is left orphaned.
+(ext_authz), the OpenAI-compatible service and Envoy (the edge). Every hop into the queue
+service is mTLS, with identities from a CA made on first use in the cache (``tierflow certs``).
+Every process logs to one directory. Once up, a supervisor (``launch.supervisor``) restarts a
+child that exits, with backoff, and gives up loudly after repeated failures
+(``supervisor.failed``). ``stop()`` (Ctrl-C in ``tierflow up``, or ``tierflow down`` from
+another shell) stops them in reverse order; children also die with the launcher if it is
+killed, so nothing is left orphaned.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
 import structlog
 
 from gateway.config import GatewayConfig
+from launch.certs import STANDARD as STANDARD_IDENTITIES
+from launch.certs import default_dir as default_certs_dir
+from launch.certs import ensure as ensure_certs
 from launch.kafka_broker import LocalKafkaBroker
 from launch.processes import (
     QUEUE_SERVICE_LISTENING,
@@ -35,6 +41,7 @@ from launch.processes import (
 from launch.supervisor import RestartPolicy, Supervisor
 from queue_service.config import QueueServiceConfig
 from queue_service.scheduler import make_policy
+from tierflow.identity import Identity, Role, TlsFiles
 from tierflow.kafka_settings import KafkaSettings
 from worker.config import WorkerConfig
 
@@ -74,6 +81,9 @@ class StackConfig:
     pin_workers: bool = False
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # children that exit
     no_worker_timeout_s: float = QueueServiceConfig.no_worker_timeout_s
+    # The CA and the identities (``tierflow certs``), made on first use: every hop into the
+    # queue service is mTLS (Envoy, the OpenAI service, the workers, direct operators).
+    tls_dir: Path = field(default_factory=default_certs_dir)
 
 
 @dataclass
@@ -87,6 +97,13 @@ class Endpoints:
     queue_service_canary: str = ""
     metrics: dict[str, str] = field(default_factory=dict)  # service -> host:port of /metrics
     pids: dict[str, int] = field(default_factory=dict)
+    tls_dir: str = ""  # the identities; a direct caller is the operator (operator_credentials)
+
+    def operator_credentials(self) -> grpc.ChannelCredentials | None:
+        """What a direct caller of the queue service presents: the operator's identity."""
+        if not self.tls_dir:
+            return None
+        return TlsFiles.load(Path(self.tls_dir), Identity(Role.OPERATOR)).channel_credentials()
 
 
 class LocalStack:
@@ -110,6 +127,7 @@ class LocalStack:
             self.broker = LocalKafkaBroker().start(data_dir=kafka_dir)
             self.endpoints.kafka = self.broker.bootstrap
             log.info("kafka ready", bootstrap=self.broker.bootstrap)
+            self._ensure_identities()
             self.endpoints.queue_service = self._start_queue_service(PRIMARY)
             for i in range(cfg.workers):
                 self._start_worker(f"worker-{i}", self.endpoints.queue_service, PRIMARY)
@@ -134,6 +152,20 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+
+    def _worker_ids(self) -> list[str]:
+        cfg = self.config
+        canaries = cfg.workers if cfg.canary_workers is None else cfg.canary_workers
+        ids = [f"worker-{i}" for i in range(cfg.workers)]
+        return ids + ([f"canary-worker-{i}" for i in range(canaries)] if cfg.canary_policy else [])
+
+    def _ensure_identities(self) -> None:
+        """The CA and every identity this stack runs (made once, kept in the cache)."""
+        tls_dir = Path(self.config.tls_dir).resolve()
+        workers = [Identity.worker(w) for w in self._worker_ids()]
+        issued = ensure_certs(tls_dir, [*STANDARD_IDENTITIES, *workers])
+        log.info("identities ready", tls_dir=str(tls_dir), issued=[i.common_name for i in issued])
+        self.endpoints.tls_dir = str(tls_dir)
 
     def _spawn(self, name: str, command: list[str], **env: str) -> ServiceProcess:
         proc = ServiceProcess(name, command, self.log_dir / f"{name}.log", env=env or None)
@@ -165,9 +197,7 @@ class LocalStack:
             "--deployment", deployment,
             "--metrics-port", self._metrics_port(name),
             "--no-worker-timeout", str(cfg.no_worker_timeout_s),
-            # Until Envoy and the OpenAI service hold identities too (issue 32), the local
-            # stack's hops into the queue service stay plaintext, on loopback only.
-            "--plaintext",
+            "--tls-dir", self.endpoints.tls_dir,
         )  # fmt: skip
         if canary:
             command += ["--topic-prefix", CANARY_TOPIC_PREFIX]
@@ -183,7 +213,8 @@ class LocalStack:
         )
         self._spawn(name, command, **env)
         target = f"127.0.0.1:{port}"
-        wait_serving(target, timeout=180, service=QUEUE_SERVICE_LISTENING)
+        credentials = self.endpoints.operator_credentials()
+        wait_serving(target, timeout=180, service=QUEUE_SERVICE_LISTENING, credentials=credentials)
         return target
 
     def _engine_settings(self, deployment: str) -> tuple[int | None, str]:
@@ -214,7 +245,7 @@ class LocalStack:
                 "--check", check,
                 "--deployment", deployment,
                 "--metrics-port", self._metrics_port(worker_id),
-                "--plaintext",  # as the queue service (_start_queue_service)
+                "--tls-dir", self.endpoints.tls_dir,
                 *pin,
             ),
             # Every service of this stack shares the machine's cores: the worker's OpenMP
@@ -248,6 +279,7 @@ class LocalStack:
                 "--queue-service", self.endpoints.queue_service,
                 "--model", self.config.model,
                 "--tiers", str(self.config.tiers_file),
+                "--tls-dir", self.endpoints.tls_dir,
             ),
         )  # fmt: skip
         self.endpoints.openai_api = f"127.0.0.1:{port}"
@@ -272,6 +304,7 @@ class LocalStack:
                 openai_api=self.endpoints.openai_api,
                 descriptor_path=descriptor,
                 rate_limits=self.config.rate_limits,
+                tls_dir=Path(self.endpoints.tls_dir),
             )
         )
         self._spawn(

@@ -109,8 +109,16 @@ def trend(name: str, points: list[tuple[float, float]], config: SoakConfig) -> T
 class _Load:
     """Poisson arrivals of mixed requests, each on a pool thread; records how each ended."""
 
-    def __init__(self, target: str, config: SoakConfig, *, through_edge: bool) -> None:
+    def __init__(
+        self,
+        target: str,
+        config: SoakConfig,
+        *,
+        through_edge: bool,
+        operator: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target, self.config, self.through_edge = target, config, through_edge
+        self.operator = operator  # direct (not through the edge): the operator's identity
         self.rng = random.Random(config.seed)
         self.pool = ThreadPoolExecutor(64, thread_name_prefix="soak-client")
         self.outcomes: Counter[str] = Counter()
@@ -137,7 +145,11 @@ class _Load:
             self.pool.submit(self._one, tier, request_id, prompt, new)
 
     def _one(self, tier: str, request_id: str, prompt: list[int], new: int) -> None:
-        credentials = {"api_key": DEMO_KEYS[tier]} if self.through_edge else {"tier": tier}
+        credentials = (
+            {"api_key": DEMO_KEYS[tier]}
+            if self.through_edge
+            else {"tier": tier, "credentials": self.operator}
+        )
         queued, outcome = False, "done"
         try:
             with TierflowClient(self.target, **credentials) as client:
@@ -203,7 +215,8 @@ def run_soak(config: SoakConfig) -> SoakResult:
     )
     with LocalStack(stack_config) as stack:
         target = stack.endpoints.envoy if config.edge else stack.endpoints.queue_service
-        load = _Load(target, config, through_edge=config.edge)
+        operator = None if config.edge else stack.endpoints.operator_credentials()
+        load = _Load(target, config, through_edge=config.edge, operator=operator)
         started = time.monotonic()
         sampler = _Sampler(stack, started)
         until = started + config.duration_s

@@ -73,7 +73,11 @@ def paired_overheads(loaded, stack_endpoints, chunk_size: int, samples: int, see
     model = loaded.model
     rng = random.Random(seed)
     engine = PrefillEngine(model, EngineConfig(chunk_size=chunk_size, check="layer"))
-    direct = TierflowClient(stack_endpoints.queue_service, tier="critical")
+    direct = TierflowClient(
+        stack_endpoints.queue_service,
+        tier="critical",
+        credentials=stack_endpoints.operator_credentials(),
+    )
     edge = TierflowClient(stack_endpoints.envoy, api_key=DEMO_KEYS["critical"])
     host, port = stack_endpoints.envoy.rsplit(":", 1)
     openai = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -122,7 +126,7 @@ def run_stack_bench(cfg: PolicyBenchConfig, console: Console) -> dict:
         run = replay(
             stack.endpoints.queue_service, workload,
             lambda a: prompt_ids(a, loaded.model.config.vocab_size),
-            lambda tier: Credentials(tier=tier),
+            lambda tier: Credentials(tier=tier, channel=stack.endpoints.operator_credentials()),
             on_progress=lambda: progress.advance(bar),
         )  # fmt: skip
         stack_summary = summarise(run, tiers)

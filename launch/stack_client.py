@@ -24,10 +24,12 @@ from tierflow.client import TierflowClient
 
 @dataclass(frozen=True)
 class Credentials:
-    """How a tier's requests identify themselves: ``api_key`` (edge) or ``tier`` (direct)."""
+    """How a tier's requests identify themselves: ``api_key`` (edge) or ``tier`` (direct, with
+    the operator's mTLS identity as ``channel``: ``Endpoints.operator_credentials``)."""
 
     api_key: str | None = None
     tier: str | None = None
+    channel: grpc.ChannelCredentials | None = None
 
 
 @dataclass
@@ -60,7 +62,9 @@ def replay(
         with lock:
             if tier not in clients:
                 creds = credentials(tier)
-                clients[tier] = TierflowClient(target, api_key=creds.api_key, tier=creds.tier)
+                clients[tier] = TierflowClient(
+                    target, api_key=creds.api_key, tier=creds.tier, credentials=creds.channel
+                )
             return clients[tier]
 
     def send(arrival: Arrival) -> None:

@@ -33,6 +33,7 @@ from openai_api.render import DONE_EVENT, Renderer
 from openai_api.service_tiers import ServiceTiers
 from openai_api.translate import Plan, ServedModel, chat_plan, check_model, completion_plan
 from tierflow.client import AsyncTierflowClient
+from tierflow.identity import Identity, Role, TlsFiles
 from tierflow.tiers import KEY_ID_HEADER, KEY_WEIGHT_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
 
 log = structlog.get_logger("openai_api")
@@ -56,7 +57,11 @@ class OpenAIApi:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.queue = AsyncTierflowClient(self.config.queue_service)
+        credentials = None
+        if self.config.tls_dir is not None:
+            tls = TlsFiles.load(self.config.tls_dir, Identity(Role.OPENAI_API))
+            credentials = tls.channel_credentials()
+        self.queue = AsyncTierflowClient(self.config.queue_service, credentials=credentials)
         log.info(
             "openai api ready",
             listen=self.config.listen,

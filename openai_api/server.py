@@ -22,6 +22,7 @@ from openai_api.service_tiers import DEFAULT_SERVICE_TIERS, ServiceTiers
 from openai_api.translate import ServedModel
 from tierflow.addresses import parse_target
 from tierflow.catalogue import load_model_info
+from tierflow.identity import Identity, Role, TlsFiles
 from tierflow.logging import configure_logging
 from tierflow.tiers import load_tiers
 
@@ -65,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> OpenAIApiConfig:
         default=defaults.retry_after_s,
         help="seconds, for a shed request (429) or an unreachable queue (503)",
     )
+    p.add_argument(
+        "--tls-dir",
+        type=Path,
+        help="mTLS to the queue service as the openai-api identity (`tierflow certs`)",
+    )
     args = p.parse_args(argv)
     return OpenAIApiConfig(
         listen=args.listen,
@@ -75,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> OpenAIApiConfig:
         service_tiers=dict(args.service_tier) if args.service_tier else DEFAULT_SERVICE_TIERS,
         chat_default_max_tokens=args.chat_default_max_tokens,
         retry_after_s=args.retry_after,
+        tls_dir=args.tls_dir,
     )
 
 
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json=True)
     config = parse_args(argv)
     try:
+        if config.tls_dir is not None:  # a missing certificate: a clear error now
+            TlsFiles.load(config.tls_dir, Identity(Role.OPENAI_API))
         api = build(config)
         host, port = parse_target(config.listen)
     except (OSError, ValueError) as exc:  # bad tiers file or mapping, unknown model

@@ -190,9 +190,18 @@ class AsyncTierflowClient:
     channel binds to the loop it was created on)."""
 
     def __init__(
-        self, target: str, *, api_key: str | None = None, reattach_s: float = REATTACH_S
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        reattach_s: float = REATTACH_S,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        )
         self._stub = serving_pb2_grpc.TierflowStub(self._channel)
         self._api_key = api_key
         self._reattach_s = reattach_s

@@ -53,13 +53,22 @@ def prompt_ids(n: int, seed: int, vocab: int = 4000) -> list[int]:
     return [rng.randrange(5, vocab) for _ in range(n)]
 
 
-def plain_stream(target: str, *, tier: str | None, api_key: str | None, timeout, prompt, **params):
+def plain_stream(
+    target: str, *, tier: str | None, api_key: str | None, timeout, prompt, credentials=None,
+    **params,
+):  # fmt: skip
     """The events of one Generate call on the generated stub, as any gRPC client makes it: no
     retry, no reattach (what the fault cases must hold for, whatever ``tierflow.client`` adds).
+    ``credentials``: mTLS (an identity's channel credentials); None: plaintext.
     """
     metadata = [(TIER_HEADER, tier)] if tier else []
     metadata += [(API_KEY_HEADER, api_key)] if api_key else []
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         call = serving_pb2_grpc.TierflowStub(channel).Generate(
             generate_request(prompt, **params), metadata=metadata, timeout=timeout
         )
@@ -87,13 +96,14 @@ def run_request(
     *,
     max_new_tokens: int = 2,
     timeout: float = 120.0,
+    credentials=None,
 ) -> Outcome:
     """One Generate stream to its end; never raises for a status (it is recorded)."""
     outcome = Outcome(request_id, tier, time.monotonic())
     try:
         for event in plain_stream(
             target, tier=tier, api_key=None, timeout=timeout, prompt=prompt,
-            request_id=request_id, max_new_tokens=max_new_tokens,
+            request_id=request_id, max_new_tokens=max_new_tokens, credentials=credentials,
         ):  # fmt: skip
             record_event(outcome, event)
     except grpc.RpcError as exc:

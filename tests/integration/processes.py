@@ -151,9 +151,10 @@ def start_edge(
     canary: str | None = None,
     openai_api: str | None = None,
     rate_limits: dict[str, tuple[int, float]] | None = None,
+    tls_dir: Path | None = None,
 ) -> tuple[ServiceProcess, int, int]:
     """The shipped Envoy config in front of these targets, started on free ports: (the Envoy
-    process, its listener port, its admin port)."""
+    process, its listener port, its admin port). ``tls_dir``: to the queue service over mTLS."""
     from gateway.envoy_config import render_envoy_config
     from launch.protogen import write_descriptor_set
 
@@ -167,6 +168,7 @@ def start_edge(
         openai_api=openai_api,
         descriptor_path=write_descriptor_set(tmp / "tierflow.pb"),
         rate_limits=rate_limits,
+        tls_dir=tls_dir,
     )
     return start_envoy(tmp, config, admin_port=admin), port, admin
 
@@ -215,9 +217,16 @@ def start_envoy(
 
 
 def start_openai_api(
-    tmp: Path, queue_target: str, *, model: str, tiers: Path | None = None, extra=()
+    tmp: Path,
+    queue_target: str,
+    *,
+    model: str,
+    tiers: Path | None = None,
+    extra=(),
+    tls_dir: Path | None = None,
 ) -> tuple[ServiceProcess, str]:
-    """The OpenAI-compatible service (``python -m openai_api.server``), once /health answers."""
+    """The OpenAI-compatible service (``python -m openai_api.server``), once /health answers;
+    ``tls_dir``: it reaches the queue service over mTLS."""
     port = free_port()
     args = python_module(
         "openai_api.server",
@@ -228,6 +237,7 @@ def start_openai_api(
         "--model",
         model,
         *(["--tiers", str(tiers)] if tiers is not None else []),
+        *(["--tls-dir", str(tls_dir)] if tls_dir is not None else []),
         *extra,
     )
     proc = ServiceProcess(f"openai-api:{port}", args, tmp / f"openai_api_{port}.log")

@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.demo_keys import DEMO_KEYS
 from gateway.keys import hash_key
+from launch.certs import STANDARD, ensure
 from launch.processes import REPO, ServiceProcess, free_port
 from queue_service.clients.admission import scoped_request_id
 from tests.integration.json_http import post_generate
@@ -48,6 +49,7 @@ from tests.integration.processes import (
 )
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.client import TierflowClient
+from tierflow.identity import Identity, Role, TlsFiles
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
@@ -285,6 +287,17 @@ class EdgeStack:
     openai_api: ServiceProcess | None = None
     kafka: KafkaSettings | None = None  # its own topics
     keys: Path = KEYS_FILE  # the gateway's keys file
+    certs: Path | None = None  # the identities: a direct call to the queue service is mTLS
+
+    def operator(self) -> grpc.ChannelCredentials:
+        """The operator's credentials, for a call straight to the queue service."""
+        assert self.certs is not None
+        return TlsFiles.load(self.certs, Identity(Role.OPERATOR)).channel_credentials()
+
+    def direct_channel(self) -> grpc.Channel:
+        """A channel straight to the queue service, as the operator (past the edge)."""
+        target = self.queue_service.args[self.queue_service.args.index("--listen") + 1]
+        return grpc.secure_channel(target, self.operator())
 
     def client(self, key_tier: str, **kw) -> TierflowClient:
         """A client through Envoy with the demo key of ``key_tier``."""
@@ -314,21 +327,27 @@ def edge_stack(
     )
     tiers = tmp / "tiers.toml"
     tiers.write_text(tiers_toml)
+    # Envoy, the OpenAI service and the worker reach the queue service over mTLS.
+    certs = tmp / "certs"
+    ensure(certs, [*STANDARD, Identity.worker("w1")])
     started: list[ServiceProcess] = []
     try:
         qs, qs_target = start_queue_service(
-            tmp, settings, model=model, tiers=tiers, extra=queue_service_args
+            tmp, settings, model=model, tiers=tiers, extra=queue_service_args, tls_dir=certs
         )
         started.append(qs)
         worker = start_worker(
-            tmp, qs_target, "w1", model=model, chunk_size=chunk_size, extra=worker_args
-        )
+            tmp, qs_target, "w1", model=model, chunk_size=chunk_size, extra=worker_args,
+            tls_dir=certs,
+        )  # fmt: skip
         started.append(worker)
         gateway, gateway_target = start_gateway(tmp, keys=keys, tiers=tiers)
         started.append(gateway)
         openai_api, openai_target = None, None
         if openai:
-            openai_api, openai_target = start_openai_api(tmp, qs_target, model=model, tiers=tiers)
+            openai_api, openai_target = start_openai_api(
+                tmp, qs_target, model=model, tiers=tiers, tls_dir=certs
+            )
             started.append(openai_api)
         envoy, port, _ = start_edge(
             tmp,
@@ -336,10 +355,11 @@ def edge_stack(
             gateway=gateway_target,
             openai_api=openai_target,
             rate_limits=rate_limits,
+            tls_dir=certs,
         )
         started.append(envoy)
         target = f"127.0.0.1:{port}"
-        yield EdgeStack(qs, worker, gateway, envoy, target, port, openai_api, settings, keys)
+        yield EdgeStack(qs, worker, gateway, envoy, target, port, openai_api, settings, keys, certs)
     finally:
         for proc in reversed(started):
             proc.stop()

@@ -61,9 +61,9 @@ def direct_target(stack) -> str:
     return stack.queue_service.args[stack.queue_service.args.index("--listen") + 1]
 
 
-def grpc_raw(target: str, method: str, body: bytes, metadata, timeout: float = 30):
+def grpc_raw(channel: grpc.Channel, method: str, body: bytes, metadata, timeout: float = 30):
     """The status of one call whose request is ``body`` as it is (no client-side encoding)."""
-    with grpc.insecure_channel(target) as channel:
+    with channel:
         path = f"/tierflow.v1.Tierflow/{method}"
         try:
             if method == "Generate":
@@ -114,11 +114,13 @@ def json_status(stack, method: str, path: str, body: bytes | None, key: str | No
 
 def to_queue(stack, body: bytes, *, tier: str | None = "critical", extra=(), method="Generate"):
     metadata = ([("x-tierflow-tier", tier)] if tier else []) + list(extra)
-    return grpc_raw(direct_target(stack), method, body, metadata)
+    return grpc_raw(stack.direct_channel(), method, body, metadata)
 
 
 def via_envoy(stack, body: bytes, *, key: str | None = KEY, method="Generate"):
-    return grpc_raw(stack.target, method, body, [("x-api-key", key)] if key else [])
+    return grpc_raw(
+        grpc.insecure_channel(stack.target), method, body, [("x-api-key", key)] if key else []
+    )
 
 
 def json_body(value) -> bytes:
@@ -376,7 +378,7 @@ def _is_utf8(raw: bytes) -> bool:
 
 def test_the_service_is_healthy_after_all_of_them(stack):
     # Run last in this module (pytest keeps file order): after the table and the generated cases.
-    with grpc.insecure_channel(direct_target(stack)) as channel:
+    with stack.direct_channel() as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="tierflow.v1.Tierflow"), timeout=10
         )
@@ -384,7 +386,8 @@ def test_the_service_is_healthy_after_all_of_them(stack):
     with TierflowClient(stack.target, api_key=KEY) as client:
         events = list(client.generate("still there?", max_new_tokens=2, timeout=120))
     assert kinds(events)[0] == "queued" and kinds(events)[-1] == "done"
-    with TierflowClient(direct_target(stack), tier="batch") as client:
+    direct = direct_target(stack)
+    with TierflowClient(direct, tier="batch", credentials=stack.operator()) as client:
         assert client.complete([5, 6, 7], max_new_tokens=1, timeout=120).text is not None
     assert json_status(stack, "POST", "/v1/generate", json_body({"text": "hi"})) == 200
     assert stack.queue_service.alive() and stack.worker.alive()

@@ -24,8 +24,13 @@ from tests.integration.load import prompt_ids, run_request, stream_until
 from tests.integration.processes import start_queue_service
 
 
-def health(target: str, service: str = "") -> int | None:
-    with grpc.insecure_channel(target) as channel:
+def health(target: str, service: str = "", credentials=None) -> int | None:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=2
@@ -60,32 +65,48 @@ def test_the_stack_restarts_a_killed_worker_and_queue_service(tmp_path):
         log_dir=tmp_path / "stack",
         restart=RestartPolicy(min_backoff_s=0.2, max_backoff_s=1.0, poll_s=0.1),
         no_worker_timeout_s=600,  # a restarted worker loads torch and its model first
+        tls_dir=tmp_path / "certs",
     )
     with LocalStack(config) as stack:
         target = stack.endpoints.queue_service
+        operator = stack.endpoints.operator_credentials()  # every hop is mTLS
         procs = {p.name: p for p in stack.processes}
         worker, queue_service = procs["worker-0"], procs["queue-service"]
-        wait_for(lambda: health(target) == serving, 30, "health never SERVING")
-        assert run_request(target, "critical", "before", prompt_ids(20, seed=1)).done
+
+        def health_now() -> int | None:
+            return health(target, credentials=operator)
+
+        wait_for(lambda: health_now() == serving, 30, "health never SERVING")
+        before = run_request(
+            target, "critical", "before", prompt_ids(20, seed=1), credentials=operator
+        )
+        assert before.done
         expected_policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
         assert omp_wait_policy(worker) == expected_policy
 
         worker.proc.kill()
         # No worker: the service says so until the restarted one attaches.
-        wait_for(lambda: health(target) != serving, 30, "health stayed SERVING")
+        wait_for(lambda: health_now() != serving, 30, "health stayed SERVING")
         waiting, _ = stream_until(
-            target, "critical", "during", prompt_ids(20, seed=2), until=lambda k: False
+            target,
+            "critical",
+            "during",
+            prompt_ids(20, seed=2),
+            until=lambda k: False,
+            credentials=operator,
         )
         wait_for(lambda: attaches(worker) == 2, 180, "the worker was not restarted")
-        wait_for(lambda: health(target) == serving, 30, "health did not come back")
+        wait_for(lambda: health_now() == serving, 30, "health did not come back")
         during = waiting.result(timeout=120)
         assert during.done is not None
         assert omp_wait_policy(worker) == expected_policy  # the restarted process's
 
         queue_service.proc.kill()
         wait_for(lambda: attaches(worker) == 3, 180, "the worker did not reattach")
-        wait_for(lambda: health(target) == serving, 30, "health did not come back")
-        assert run_request(target, "critical", "after", prompt_ids(20, seed=3)).done
+        wait_for(lambda: health_now() == serving, 30, "health did not come back")
+        assert run_request(
+            target, "critical", "after", prompt_ids(20, seed=3), credentials=operator
+        ).done
         assert stack.supervisor.restarts == 2 and not stack.supervisor.failed.is_set()
 
 

@@ -19,6 +19,7 @@ from gateway.envoy_config import (
     render_envoy_config,
     token_bucket,
 )
+from launch.certs import STANDARD, ensure
 from launch.processes import REPO
 from launch.protogen import write_descriptor_set
 from tierflow.addresses import parse_target
@@ -93,7 +94,10 @@ def test_shipped_config_validates(tmp_path, descriptor):
 
 
 def test_rendered_local_configs_validate(tmp_path, descriptor):
+    certs = tmp_path / "certs"
+    ensure(certs, STANDARD)  # envoy --mode validate loads the certificate files too
     variants = {
+        "mtls": dict(tls_dir=certs),
         "plain": {},
         "canary": dict(queue_service_canary="127.0.0.1:50061", canary_percent=10),
         "limits": dict(rate_limits={"batch": (2, 0.001), "critical": (500, 200.0)}),
@@ -221,6 +225,27 @@ def test_render_rewrites_ports_endpoints_descriptor_and_nothing_else(descriptor)
     assert (
         filters_of(config)["envoy.filters.http.ext_authz"]
         == filters_of(shipped)["envoy.filters.http.ext_authz"]
+    )
+
+
+def test_render_with_identities_puts_mtls_on_the_queue_service_clusters_only(tmp_path, descriptor):
+    config = yaml.safe_load(render(descriptor, tls_dir=tmp_path))
+    clusters = clusters_of(config)
+    for name in ("queue_service", "queue_service_canary"):
+        tls = clusters[name]["transport_socket"]["typed_config"]
+        context = tls["common_tls_context"]
+        assert tls["sni"] == "queue-service" and context["alpn_protocols"] == ["h2"]
+        (cert,) = context["tls_certificates"]
+        assert cert["certificate_chain"]["filename"] == str(tmp_path.resolve() / "edge.pem")
+        assert cert["private_key"]["filename"] == str(tmp_path.resolve() / "edge.key")
+        validation = context["validation_context"]
+        assert validation["trusted_ca"]["filename"] == str(tmp_path.resolve() / "ca.pem")
+        assert validation["match_typed_subject_alt_names"] == [
+            {"san_type": "DNS", "matcher": {"exact": "queue-service"}}
+        ]
+    assert "transport_socket" not in clusters["gateway"]
+    assert (
+        "transport_socket" not in clusters_of(yaml.safe_load(render(descriptor)))["queue_service"]
     )
 
 
