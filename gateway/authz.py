@@ -33,6 +33,7 @@ from google.rpc import code_pb2, status_pb2
 
 from gateway.keys import KeyStore, key_fingerprint
 from gateway.metrics import GatewayMetrics
+from tierflow.identity import Identity, Role, peer_identity
 from tierflow.openai_errors import error_json
 from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, KEY_WEIGHT_HEADER, TIER_HEADER
 
@@ -123,13 +124,22 @@ def deny(message: str, *, openai: bool = False) -> external_auth_pb2.CheckRespon
 class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
     """Answers Envoy's Check from a KeyStore."""
 
-    def __init__(self, keys: KeyStore, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self, keys: KeyStore, metrics: GatewayMetrics | None = None, *, mtls: bool = False
+    ) -> None:
         self.keys = keys
         self.metrics = metrics or GatewayMetrics("")
+        # Under mTLS only Envoy may ask: to anyone else the gateway would be an oracle that
+        # says which keys are valid and what tier each buys.
+        self.mtls = mtls
 
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> external_auth_pb2.CheckResponse:
+        if self.mtls and peer_identity(context) != Identity(Role.EDGE):
+            peer = peer_identity(context)
+            who = f"identity {peer.common_name!r}" if peer else "a peer without an identity"
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who} is not the edge")
         http = request.attributes.request.http
         presented = presented_key(http)
         where = {"method": http.method, "path": http.path, "envoy_request_id": http.id or None}

@@ -20,5 +20,8 @@ class GatewayConfig:
     grace_s: float = 5.0
     deployment: str = DEFAULT_DEPLOYMENT  # the label of its metrics
     metrics_port: int | None = None  # Prometheus /metrics; None: not served, 0: a free port
+    # mTLS: the CA and the gateway's identity (``tierflow certs``); only the edge may call.
+    # None: plaintext, for development only (``--plaintext``).
+    tls_dir: Path | None = None
     # Where /metrics listens: loopback unless the deployment opens it (compose: its network).
     metrics_host: str = METRICS_LOOPBACK

@@ -4,7 +4,7 @@ There is one Envoy configuration: the file the docker-compose deployment mounts.
 loads it and changes only what differs on one machine: the listener and admin ports (on
 127.0.0.1), the upstream endpoints (127.0.0.1:port instead of compose service names), the path
 of the descriptor set, and optionally the canary share, the per-tier rate limits and mTLS to
-the queue service. Routes,
+the queue service and the gateway. Routes,
 filters and timeouts stay as shipped, so what the tests exercise is what is deployed.
 
 It lives here rather than in ``envoy/`` because ``envoy/`` holds configuration only: an
@@ -69,9 +69,9 @@ def render_envoy_config(
     ``(burst, per_second)``: each key of the tier gets a token bucket of ``burst`` requests
     that refills at ``per_second`` requests a second (see ``token_bucket``), on each of the
     tier's routes (its gRPC/JSON route and its OpenAI route, a bucket each); tiers not named
-    keep the shipped limits. ``tls_dir``: Envoy reaches the queue service (both clusters)
-    over mTLS as the ``edge`` identity from there (``tierflow certs``), and accepts only a
-    server certificate that names ``queue-service``.
+    keep the shipped limits. ``tls_dir``: Envoy reaches the queue service (both clusters) and
+    the gateway over mTLS as the ``edge`` identity from there (``tierflow certs``), and accepts
+    only a server certificate that names the service it called.
     """
     if not 0 <= canary_percent <= 100:
         raise ValueError(f"canary_percent must be in [0, 100], got {canary_percent}")
@@ -95,9 +95,10 @@ def render_envoy_config(
         },
     )
     if tls_dir is not None:
-        for name in (PRIMARY, CANARY):
+        for name, server in ((PRIMARY, Role.QUEUE_SERVICE), (CANARY, Role.QUEUE_SERVICE),
+                             (GATEWAY, Role.GATEWAY)):  # fmt: skip
             cluster = _named(config["static_resources"]["clusters"], name, "cluster")
-            cluster["transport_socket"] = upstream_tls(tls_dir, Role.QUEUE_SERVICE)
+            cluster["transport_socket"] = upstream_tls(tls_dir, server)
     hcm = _http_connection_manager(listener)
     transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
     transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())

@@ -25,6 +25,7 @@ from gateway.authz import Authorizer
 from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
+from tierflow.identity import PLAINTEXT_WARNING, Identity, Role, TlsFiles, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
 from tierflow.tiers import load_tiers
@@ -47,7 +48,7 @@ class Gateway:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server()
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(
-            Authorizer(self.keys, self.metrics), self.server
+            Authorizer(self.keys, self.metrics, mtls=config.tls_dir is not None), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -58,7 +59,12 @@ class Gateway:
             ),
             self.server,
         )
-        self.port = self.server.add_insecure_port(config.listen)
+        if config.tls_dir is not None:
+            tls = TlsFiles.load(config.tls_dir, Identity(Role.GATEWAY))
+            self.port = self.server.add_secure_port(config.listen, tls.server_credentials())
+        else:
+            log.warning(PLAINTEXT_WARNING, listen=config.listen)
+            self.port = self.server.add_insecure_port(config.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen}")
 
@@ -108,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     )
     p.add_argument("--deployment", default=GatewayConfig.deployment, help="metrics label")
     add_metrics_arguments(p)
+    add_tls_arguments(p)
     args = p.parse_args(argv)
     return GatewayConfig(
         listen=args.listen,
@@ -117,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         deployment=args.deployment,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        tls_dir=args.tls_dir,
     )
 
 
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     try:
         asyncio.run(serve(config))
-    except (OSError, ValueError) as exc:  # bad keys/tiers file, port taken: say so, exit 2
+    except (OSError, ValueError) as exc:  # bad keys/tiers file or certificate, port taken
         log.error("gateway cannot start", error=str(exc))
         return 2
     return 0

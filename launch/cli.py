@@ -85,6 +85,12 @@ def _batch_bench(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.scale:
         return _scale_bench(args)
+    if args.tls:
+        from launch.tls_bench import TlsBenchConfig
+        from launch.tls_bench import main as tls_main
+
+        tls_main(TlsBenchConfig(**_given(model=args.model, seed=args.seed)), args.json, args.plot)
+        return 0
     from bench.policy_bench import BATCHED_MAX_NEW_TOKENS, PolicyBenchConfig, main
     from bench.traces import TraceOptions
 
@@ -460,6 +466,11 @@ def _add_bench(sub) -> None:
         "--scale", action="store_true",
         help="the scheduler's cost per decision on a simulated GPU fleet, in simulated time: "
         "4-64 workers behind one instance, then 64 workers over 2-8 instances (bench.scale)",
+    )  # fmt: skip
+    b.add_argument(
+        "--tls", action="store_true",
+        help="the TTFT mTLS adds through the whole stack over plaintext, in alternating stack "
+        "starts (launch.tls_bench)",
     )  # fmt: skip
     b.add_argument("--flood-calm", type=int, help="the calm key's requests in --flood (200)")
     b.add_argument("--sustained-seeds", help="seeds of --sustained (default 0,1,2)")

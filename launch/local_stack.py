@@ -82,8 +82,9 @@ class StackConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # children that exit
     no_worker_timeout_s: float = QueueServiceConfig.no_worker_timeout_s
     # The CA and the identities (``tierflow certs``), made on first use: every hop into the
-    # queue service is mTLS (Envoy, the OpenAI service, the workers, direct operators).
-    tls_dir: Path = field(default_factory=default_certs_dir)
+    # queue service and the gateway is mTLS (Envoy, the OpenAI service, the workers, direct
+    # operators). None: plaintext, for measuring what TLS adds (``tierflow bench --tls``).
+    tls_dir: Path | None = field(default_factory=default_certs_dir)
 
 
 @dataclass
@@ -161,11 +162,17 @@ class LocalStack:
 
     def _ensure_identities(self) -> None:
         """The CA and every identity this stack runs (made once, kept in the cache)."""
+        if self.config.tls_dir is None:
+            return
         tls_dir = Path(self.config.tls_dir).resolve()
         workers = [Identity.worker(w) for w in self._worker_ids()]
         issued = ensure_certs(tls_dir, [*STANDARD_IDENTITIES, *workers])
         log.info("identities ready", tls_dir=str(tls_dir), issued=[i.common_name for i in issued])
         self.endpoints.tls_dir = str(tls_dir)
+
+    def _tls(self) -> list[str]:
+        """A service's mTLS flags: its identities, or plaintext when the stack has none."""
+        return ["--tls-dir", self.endpoints.tls_dir] if self.endpoints.tls_dir else ["--plaintext"]
 
     def _spawn(self, name: str, command: list[str], **env: str) -> ServiceProcess:
         proc = ServiceProcess(name, command, self.log_dir / f"{name}.log", env=env or None)
@@ -197,7 +204,7 @@ class LocalStack:
             "--deployment", deployment,
             "--metrics-port", self._metrics_port(name),
             "--no-worker-timeout", str(cfg.no_worker_timeout_s),
-            "--tls-dir", self.endpoints.tls_dir,
+            *self._tls(),
         )  # fmt: skip
         if canary:
             command += ["--topic-prefix", CANARY_TOPIC_PREFIX]
@@ -245,7 +252,7 @@ class LocalStack:
                 "--check", check,
                 "--deployment", deployment,
                 "--metrics-port", self._metrics_port(worker_id),
-                "--tls-dir", self.endpoints.tls_dir,
+                *self._tls(),
                 *pin,
             ),
             # Every service of this stack shares the machine's cores: the worker's OpenMP
@@ -264,10 +271,12 @@ class LocalStack:
                 "--keys", str(self.config.keys_file),
                 "--tiers", str(self.config.tiers_file),
                 "--metrics-port", self._metrics_port("gateway"),
+                *self._tls(),
             ),
         )  # fmt: skip
         self.endpoints.gateway = f"127.0.0.1:{port}"
-        wait_serving(self.endpoints.gateway, timeout=60)
+        credentials = self.endpoints.operator_credentials()
+        wait_serving(self.endpoints.gateway, timeout=60, credentials=credentials)
 
     def _start_openai_api(self) -> None:
         port = free_port()
@@ -279,7 +288,7 @@ class LocalStack:
                 "--queue-service", self.endpoints.queue_service,
                 "--model", self.config.model,
                 "--tiers", str(self.config.tiers_file),
-                "--tls-dir", self.endpoints.tls_dir,
+                *(["--tls-dir", self.endpoints.tls_dir] if self.endpoints.tls_dir else []),
             ),
         )  # fmt: skip
         self.endpoints.openai_api = f"127.0.0.1:{port}"
@@ -304,7 +313,7 @@ class LocalStack:
                 openai_api=self.endpoints.openai_api,
                 descriptor_path=descriptor,
                 rate_limits=self.config.rate_limits,
-                tls_dir=Path(self.endpoints.tls_dir),
+                tls_dir=Path(self.endpoints.tls_dir) if self.endpoints.tls_dir else None,
             )
         )
         self._spawn(

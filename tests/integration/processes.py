@@ -119,8 +119,10 @@ def start_gateway(
     tiers: Path | None = None,
     port: int | None = None,
     keys_check_interval: float = 1.0,
+    tls_dir: Path | None = None,
 ) -> tuple[ServiceProcess, str]:
-    """The ext_authz gateway (``python -m gateway.server``), once its health says SERVING."""
+    """The ext_authz gateway (``python -m gateway.server``), once its health says SERVING;
+    ``tls_dir``: over mTLS (only the edge may call its Check)."""
     port = port or free_port()
     args = python_module(
         "gateway.server",
@@ -133,10 +135,11 @@ def start_gateway(
     )
     if tiers is not None:
         args += ["--tiers", str(tiers)]
+    args += tls_arguments(tls_dir)
     proc = ServiceProcess(f"gateway:{port}", args, tmp / f"gateway_{port}.log")
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, timeout=60)
+        wait_serving(target, timeout=60, credentials=operator(tls_dir))
     except TimeoutError:
         proc.stop()
         raise

@@ -327,7 +327,8 @@ def edge_stack(
     )
     tiers = tmp / "tiers.toml"
     tiers.write_text(tiers_toml)
-    # Envoy, the OpenAI service and the worker reach the queue service over mTLS.
+    # Envoy, the OpenAI service and the worker reach the queue service, and Envoy the gateway,
+    # over mTLS.
     certs = tmp / "certs"
     ensure(certs, [*STANDARD, Identity.worker("w1")])
     started: list[ServiceProcess] = []
@@ -341,7 +342,7 @@ def edge_stack(
             tls_dir=certs,
         )  # fmt: skip
         started.append(worker)
-        gateway, gateway_target = start_gateway(tmp, keys=keys, tiers=tiers)
+        gateway, gateway_target = start_gateway(tmp, keys=keys, tiers=tiers, tls_dir=certs)
         started.append(gateway)
         openai_api, openai_target = None, None
         if openai:

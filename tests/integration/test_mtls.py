@@ -15,10 +15,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
+from google.rpc import code_pb2
 
+from gateway.demo_keys import DEMO_KEYS
 from launch.certs import STANDARD, ensure
+from launch.processes import REPO
 from tests.integration.processes import (
     operator,
+    start_gateway,
     start_queue_service,
     start_worker,
     stop_started,
@@ -29,6 +34,7 @@ from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 MODEL = "tiny-llama"
+KEYS_FILE = REPO / "config" / "keys.toml"  # the shipped demo keys
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +187,28 @@ def test_a_worker_cannot_take_over_another_workers_id_and_the_first_keeps_its_wo
     events = secured.qs.log_events()
     assert not [e for e in events if e.get("event") == "worker detached"]
     assert [e for e in events if e.get("event") == "attach refused" and e["worker_id"] == "w0"]
+
+
+def test_only_the_edge_may_ask_the_gateway_about_a_key(request, tmp_path, certs):
+    """Under mTLS the gateway answers Envoy only: to anyone else it would say which API keys
+    are valid and what tier each buys."""
+    gateway, target = start_gateway(tmp_path, keys=KEYS_FILE, tls_dir=certs)
+    try:
+        check = external_auth_pb2.CheckRequest()
+        check.attributes.request.http.headers["x-api-key"] = DEMO_KEYS["critical"]
+        answers = {}
+        for identity in (Identity(Role.EDGE), Identity(Role.OPERATOR), Identity.worker("w0")):
+            credentials = TlsFiles.load(certs, identity).channel_credentials()
+            with grpc.secure_channel(target, credentials) as channel:
+                stub = external_auth_pb2_grpc.AuthorizationStub(channel)
+                try:
+                    answers[identity.common_name] = stub.Check(check, timeout=30).status.code
+                except grpc.RpcError as err:
+                    answers[identity.common_name] = err.code()
+    finally:
+        stop_started(request, [gateway])
+    assert answers == {
+        "edge": code_pb2.OK,  # the key is valid
+        "operator": grpc.StatusCode.PERMISSION_DENIED,
+        "worker/w0": grpc.StatusCode.PERMISSION_DENIED,
+    }

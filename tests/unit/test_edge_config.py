@@ -228,7 +228,9 @@ def test_render_rewrites_ports_endpoints_descriptor_and_nothing_else(descriptor)
     )
 
 
-def test_render_with_identities_puts_mtls_on_the_queue_service_clusters_only(tmp_path, descriptor):
+def test_render_with_identities_puts_mtls_on_the_queue_service_and_gateway_clusters(
+    tmp_path, descriptor
+):
     config = yaml.safe_load(render(descriptor, tls_dir=tmp_path))
     clusters = clusters_of(config)
     for name in ("queue_service", "queue_service_canary"):
@@ -243,7 +245,9 @@ def test_render_with_identities_puts_mtls_on_the_queue_service_clusters_only(tmp
         assert validation["match_typed_subject_alt_names"] == [
             {"san_type": "DNS", "matcher": {"exact": "queue-service"}}
         ]
-    assert "transport_socket" not in clusters["gateway"]
+    gateway = clusters["gateway"]["transport_socket"]["typed_config"]
+    assert gateway["sni"] == "gateway"
+    assert "transport_socket" not in clusters["openai_api"]
     assert (
         "transport_socket" not in clusters_of(yaml.safe_load(render(descriptor)))["queue_service"]
     )

@@ -377,6 +377,7 @@ def test_server_refuses_to_start_on_a_bad_keys_file(tmp_path):
         [
             *(sys.executable, "-m", "gateway.server", "--listen", f"127.0.0.1:{free_port()}"),
             *("--keys", str(keys), "--tiers", str(REPO / "config" / "tiers.toml")),
+            "--plaintext",
         ],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
