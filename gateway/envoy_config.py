@@ -4,7 +4,7 @@ There is one Envoy configuration: the file the docker-compose deployment mounts.
 loads it and changes only what differs on one machine: the listener and admin ports (on
 127.0.0.1), the upstream endpoints (127.0.0.1:port instead of compose service names), the path
 of the descriptor set, and optionally the canary share, the per-tier rate limits and mTLS to
-the queue service and the gateway. Routes,
+every upstream. Routes,
 filters and timeouts stay as shipped, so what the tests exercise is what is deployed.
 
 It lives here rather than in ``envoy/`` because ``envoy/`` holds configuration only: an
@@ -69,9 +69,9 @@ def render_envoy_config(
     ``(burst, per_second)``: each key of the tier gets a token bucket of ``burst`` requests
     that refills at ``per_second`` requests a second (see ``token_bucket``), on each of the
     tier's routes (its gRPC/JSON route and its OpenAI route, a bucket each); tiers not named
-    keep the shipped limits. ``tls_dir``: Envoy reaches the queue service (both clusters) and
-    the gateway over mTLS as the ``edge`` identity from there (``tierflow certs``), and accepts
-    only a server certificate that names the service it called.
+    keep the shipped limits. ``tls_dir``: Envoy reaches every upstream (the queue service, its
+    canary, the gateway and the OpenAI service) over mTLS as the ``edge`` identity from there
+    (``tierflow certs``), and accepts only a server certificate that names the service called.
     """
     if not 0 <= canary_percent <= 100:
         raise ValueError(f"canary_percent must be in [0, 100], got {canary_percent}")
@@ -96,9 +96,11 @@ def render_envoy_config(
     )
     if tls_dir is not None:
         for name, server in ((PRIMARY, Role.QUEUE_SERVICE), (CANARY, Role.QUEUE_SERVICE),
-                             (GATEWAY, Role.GATEWAY)):  # fmt: skip
+                             (GATEWAY, Role.GATEWAY), (OPENAI_API, Role.OPENAI_API)):  # fmt: skip
             cluster = _named(config["static_resources"]["clusters"], name, "cluster")
-            cluster["transport_socket"] = upstream_tls(tls_dir, server)
+            # gRPC servers require ALPN h2; the OpenAI service speaks HTTP/1.1.
+            alpn = () if server is Role.OPENAI_API else ("h2",)
+            cluster["transport_socket"] = upstream_tls(tls_dir, server, alpn)
     hcm = _http_connection_manager(listener)
     transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
     transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())
@@ -108,10 +110,11 @@ def render_envoy_config(
     return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
 
 
-def upstream_tls(tls_dir: Path, server: Role) -> dict[str, Any]:
+def upstream_tls(tls_dir: Path, server: Role, alpn: tuple[str, ...] = ("h2",)) -> dict[str, Any]:
     """Envoy's client side of mTLS: the edge's certificate, the CA as the only trust anchor,
     and the server's identity checked by name (its certificate's DNS name is its role)."""
     edge = Path(tls_dir).resolve() / Identity(Role.EDGE).file_stem
+    context: dict[str, Any] = {"alpn_protocols": list(alpn)} if alpn else {}
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
@@ -119,7 +122,7 @@ def upstream_tls(tls_dir: Path, server: Role) -> dict[str, Any]:
             "UpstreamTlsContext",
             "sni": server.value,
             "common_tls_context": {
-                "alpn_protocols": ["h2"],  # gRPC servers require it
+                **context,
                 "tls_certificates": [
                     {
                         "certificate_chain": {"filename": f"{edge}.pem"},

@@ -25,7 +25,7 @@ from gateway.authz import Authorizer
 from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
-from tierflow.identity import PLAINTEXT_WARNING, Identity, Role, TlsFiles, add_tls_arguments
+from tierflow.identity import Identity, Role, add_port, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
 from tierflow.tiers import load_tiers
@@ -59,12 +59,9 @@ class Gateway:
             ),
             self.server,
         )
-        if config.tls_dir is not None:
-            tls = TlsFiles.load(config.tls_dir, Identity(Role.GATEWAY))
-            self.port = self.server.add_secure_port(config.listen, tls.server_credentials())
-        else:
-            log.warning(PLAINTEXT_WARNING, listen=config.listen)
-            self.port = self.server.add_insecure_port(config.listen)
+        self.port = add_port(
+            self.server, config.listen, config.tls_dir, Identity(Role.GATEWAY), log
+        )
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen}")
 

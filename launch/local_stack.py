@@ -41,7 +41,7 @@ from launch.processes import (
 from launch.supervisor import RestartPolicy, Supervisor
 from queue_service.config import QueueServiceConfig
 from queue_service.scheduler import make_policy
-from tierflow.identity import Identity, Role, TlsFiles
+from tierflow.identity import Identity, Role, TlsFiles, client_context
 from tierflow.kafka_settings import KafkaSettings
 from worker.config import WorkerConfig
 
@@ -292,7 +292,11 @@ class LocalStack:
             ),
         )  # fmt: skip
         self.endpoints.openai_api = f"127.0.0.1:{port}"
-        wait_http_ok(f"http://{self.endpoints.openai_api}/health", proc)
+        if self.endpoints.tls_dir:  # it answers the edge only
+            edge = client_context(Path(self.endpoints.tls_dir), Identity(Role.EDGE))
+            wait_http_ok(f"https://{self.endpoints.openai_api}/health", proc, context=edge)
+        else:
+            wait_http_ok(f"http://{self.endpoints.openai_api}/health", proc)
 
     def _start_envoy(self) -> None:
         from gateway.envoy_config import envoy_binary, render_envoy_config

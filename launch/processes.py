@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -147,8 +148,11 @@ def wait_serving(
     raise TimeoutError(f"{target} did not become SERVING within {timeout} s")
 
 
-def wait_http_ok(url: str, proc: ServiceProcess, timeout: float = 60.0) -> None:
-    """Until GET ``url`` answers 200 (an HTTP service's health or readiness page)."""
+def wait_http_ok(
+    url: str, proc: ServiceProcess, timeout: float = 60.0, context: ssl.SSLContext | None = None
+) -> None:
+    """Until GET ``url`` answers 200 (an HTTP service's health or readiness page); ``context``:
+    for an https URL, the identity to present (``tierflow.identity.client_context``)."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -156,7 +160,7 @@ def wait_http_ok(url: str, proc: ServiceProcess, timeout: float = 60.0) -> None:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
+            with urllib.request.urlopen(url, timeout=2, context=context) as reply:
                 if reply.status == 200:
                     return
         except OSError:

@@ -39,7 +39,7 @@ from worker.request import GenerationRequest
 PAIRED_SAMPLES = 30
 
 
-def _ttft_ms(client: TierflowClient, prompt: list[int]) -> float:
+def ttft_ms(client: TierflowClient, prompt: list[int]) -> float:
     start = time.perf_counter()
     for event in client.generate(prompt, max_new_tokens=1, timeout=120):
         if event.WhichOneof("event") == "first_token":
@@ -89,8 +89,8 @@ def paired_overheads(loaded, stack_endpoints, chunk_size: int, samples: int, see
             start = time.perf_counter()
             assert engine.run(task, PreemptionChannel()).status is RunStatus.FINISHED
             in_process = (time.perf_counter() - start) * 1000
-            through_qs = _ttft_ms(direct, prompt)
-            through_edge = _ttft_ms(edge, prompt)
+            through_qs = ttft_ms(direct, prompt)
+            through_edge = ttft_ms(edge, prompt)
             through_openai = _openai_ttft_ms(openai, DEMO_KEYS["critical"], loaded.name, prompt)
             if i >= 2:  # the first two warm up connections and caches
                 added_stack.append(through_qs - in_process)

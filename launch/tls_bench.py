@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import random
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from scipy.stats import bootstrap
 
 from gateway.demo_keys import DEMO_KEYS
 from launch.local_stack import LocalStack, StackConfig
+from launch.stack_bench import ttft_ms
 from tierflow.client import TierflowClient
 
 MODES = ("mtls", "plaintext")
@@ -42,14 +42,6 @@ class TlsBenchConfig:
     warmup: int = 10  # untimed requests per start (connections, caches)
     prompt_tokens: int = 16
     seed: int = 0
-
-
-def ttft_ms(client: TierflowClient, prompt: list[int]) -> float:
-    start = time.perf_counter()
-    for event in client.generate(prompt, max_new_tokens=1, timeout=120):
-        if event.WhichOneof("event") == "first_token":
-            return (time.perf_counter() - start) * 1000
-    raise RuntimeError("no first token")
 
 
 def measure_once(cfg: TlsBenchConfig, mode: str, rng: random.Random, work: Path) -> list[float]:

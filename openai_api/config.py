@@ -25,8 +25,8 @@ class OpenAIApiConfig:
     completion_default_max_tokens: int = 16
     # Retry-After (seconds) for a shed request (429) and an unreachable queue service (503).
     retry_after_s: int = 5
-    # mTLS to the queue service as the ``openai-api`` identity (``tierflow certs``); None:
-    # plaintext. Its own listener, which Envoy calls, is plaintext still (issue 32).
+    # mTLS (``tierflow certs``): to the queue service as the ``openai-api`` identity, and on
+    # its own listener, which accepts the edge's certificate only. None: plaintext.
     tls_dir: Path | None = None
 
     @property

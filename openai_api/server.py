@@ -22,7 +22,13 @@ from openai_api.service_tiers import DEFAULT_SERVICE_TIERS, ServiceTiers
 from openai_api.translate import ServedModel
 from tierflow.addresses import parse_target
 from tierflow.catalogue import load_model_info
-from tierflow.identity import Identity, Role, TlsFiles
+from tierflow.identity import (
+    PLAINTEXT_WARNING,
+    Identity,
+    Role,
+    TlsFiles,
+    edge_only_server_context,
+)
 from tierflow.logging import configure_logging
 from tierflow.tiers import load_tiers
 
@@ -69,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> OpenAIApiConfig:
     p.add_argument(
         "--tls-dir",
         type=Path,
-        help="mTLS to the queue service as the openai-api identity (`tierflow certs`)",
+        help="mTLS: to the queue service as the openai-api identity, and on its own listener "
+        "for the edge only (`tierflow certs`); default plaintext",
     )
     args = p.parse_args(argv)
     return OpenAIApiConfig(
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # bad tiers file or mapping, unknown model
         log.error("openai api cannot start", error=str(exc))
         return 2
-    uvicorn.run(
+    server = uvicorn.Config(
         api.app(),
         host=host,
         port=port,
@@ -106,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
+    server.load()
+    if config.tls_dir is not None:
+        # Only Envoy may call: uvicorn does not show the app its peer's certificate, so the
+        # handshake itself accepts the edge's certificate and no other.
+        server.ssl = edge_only_server_context(config.tls_dir, Identity(Role.OPENAI_API))
+    else:
+        log.warning(PLAINTEXT_WARNING, listen=config.listen)
+    uvicorn.Server(server).run()
     return 0
 
 

@@ -44,7 +44,7 @@ from queue_service.scheduler import (
 from queue_service.trust import Trust
 from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
-from tierflow.identity import PLAINTEXT_WARNING, Identity, Role, TlsFiles, add_tls_arguments
+from tierflow.identity import Identity, Role, add_port, add_tls_arguments
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
@@ -138,12 +138,9 @@ class QueueService:
             ),
             self.server,
         )
-        if config.tls_dir is not None:
-            tls = TlsFiles.load(config.tls_dir, Identity(Role.QUEUE_SERVICE))
-            self.port = self.server.add_secure_port(config.listen, tls.server_credentials())
-        else:
-            log.warning(PLAINTEXT_WARNING, listen=config.listen)
-            self.port = self.server.add_insecure_port(config.listen)
+        self.port = add_port(
+            self.server, config.listen, config.tls_dir, Identity(Role.QUEUE_SERVICE), log
+        )
 
     def _request_ended(self, live: LiveRequest, now: float) -> None:
         """One request-log record per request, counted by the metrics from the same record."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import enum
 import re
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,28 @@ class TlsFiles:
         )
 
 
+def edge_only_server_context(directory: Path, server: Identity) -> ssl.SSLContext:
+    """A TLS server context (for an HTTP server that cannot read its peer's certificate, such
+    as uvicorn) that accepts one client only: the holder of the edge's certificate. The edge's
+    certificate itself is the only trust anchor (partial chains allowed), so another identity
+    of the same CA does not verify."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    stem = directory / server.file_stem
+    ctx.load_cert_chain(f"{stem}.pem", f"{stem}.key")
+    ctx.load_verify_locations(cafile=directory / f"{Identity(Role.EDGE).file_stem}.pem")
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return ctx
+
+
+def client_context(directory: Path, identity: Identity) -> ssl.SSLContext:
+    """A TLS client context (HTTPS) that presents ``identity`` and trusts only the CA."""
+    ctx = ssl.create_default_context(cafile=directory / CA_FILE)
+    stem = directory / identity.file_stem
+    ctx.load_cert_chain(f"{stem}.pem", f"{stem}.key")
+    return ctx
+
+
 def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> Identity | None:
     """The identity the peer's certificate states; None for a plaintext peer (or one whose
     certificate names no identity). The TLS handshake has already checked the certificate
@@ -124,6 +147,17 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="development only: no TLS and no identities, so every peer is trusted",
     )
+
+
+def add_port(
+    server: grpc.aio.Server, listen: str, tls_dir: Path | None, identity: Identity, log
+) -> int:
+    """Listens on ``listen``: over mTLS as ``identity`` (its files in ``tls_dir``), or in
+    plaintext with a warning when ``tls_dir`` is None. Returns the port (0: could not bind)."""
+    if tls_dir is None:
+        log.warning(PLAINTEXT_WARNING, listen=listen)
+        return server.add_insecure_port(listen)
+    return server.add_secure_port(listen, TlsFiles.load(tls_dir, identity).server_credentials())
 
 
 PLAINTEXT_WARNING = (

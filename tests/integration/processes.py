@@ -18,7 +18,7 @@ from launch.processes import (
     wait_http_ok,
     wait_serving,
 )
-from tierflow.identity import Identity, Role, TlsFiles
+from tierflow.identity import Identity, Role, TlsFiles, client_context
 from worker.config import WorkerConfig
 
 
@@ -229,7 +229,7 @@ def start_openai_api(
     tls_dir: Path | None = None,
 ) -> tuple[ServiceProcess, str]:
     """The OpenAI-compatible service (``python -m openai_api.server``), once /health answers;
-    ``tls_dir``: it reaches the queue service over mTLS."""
+    ``tls_dir``: it reaches the queue service over mTLS and answers the edge only, over mTLS."""
     port = free_port()
     args = python_module(
         "openai_api.server",
@@ -246,7 +246,11 @@ def start_openai_api(
     proc = ServiceProcess(f"openai-api:{port}", args, tmp / f"openai_api_{port}.log")
     target = f"127.0.0.1:{port}"
     try:
-        wait_http_ok(f"http://{target}/health", proc, timeout=120)
+        if tls_dir is None:
+            wait_http_ok(f"http://{target}/health", proc, timeout=120)
+        else:  # it answers the edge only
+            edge = client_context(tls_dir, Identity(Role.EDGE))
+            wait_http_ok(f"https://{target}/health", proc, timeout=120, context=edge)
     except (TimeoutError, RuntimeError):
         proc.stop()
         raise

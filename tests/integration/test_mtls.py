@@ -9,8 +9,11 @@ and a worker attaches only under the worker id its certificate names.
 
 from __future__ import annotations
 
+import http.client
 import shutil
+import ssl
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -24,12 +27,13 @@ from launch.processes import REPO
 from tests.integration.processes import (
     operator,
     start_gateway,
+    start_openai_api,
     start_queue_service,
     start_worker,
     stop_started,
 )
 from tierflow.client import TierflowClient
-from tierflow.identity import Identity, Role, TlsFiles
+from tierflow.identity import Identity, Role, TlsFiles, client_context
 from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
@@ -212,3 +216,23 @@ def test_only_the_edge_may_ask_the_gateway_about_a_key(request, tmp_path, certs)
         "operator": grpc.StatusCode.PERMISSION_DENIED,
         "worker/w0": grpc.StatusCode.PERMISSION_DENIED,
     }
+
+
+def health_status(url: str, context: ssl.SSLContext | None) -> int | str:
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=context) as reply:
+            return reply.status
+    except (OSError, http.client.HTTPException) as err:  # the handshake or the connection
+        return type(err).__name__
+
+
+def test_only_the_edge_may_call_the_openai_service(secured, certs):
+    """uvicorn does not show the app its peer's certificate, so the handshake itself accepts the
+    edge's certificate and no other: not the operator's, not a worker's, not plaintext."""
+    proc, target = start_openai_api(secured.tmp, secured.target, model=MODEL, tls_dir=certs)
+    secured.started.append(proc)
+    url = f"https://{target}/health"
+    assert health_status(url, client_context(certs, Identity(Role.EDGE))) == 200
+    for other in (Identity(Role.OPERATOR), Identity.worker("w0"), Identity(Role.OPENAI_API)):
+        assert health_status(url, client_context(certs, other)) != 200, other
+    assert health_status(f"http://{target}/health", None) != 200

@@ -247,7 +247,9 @@ def test_render_with_identities_puts_mtls_on_the_queue_service_and_gateway_clust
         ]
     gateway = clusters["gateway"]["transport_socket"]["typed_config"]
     assert gateway["sni"] == "gateway"
-    assert "transport_socket" not in clusters["openai_api"]
+    openai = clusters["openai_api"]["transport_socket"]["typed_config"]
+    assert openai["sni"] == "openai-api"
+    assert "alpn_protocols" not in openai["common_tls_context"]  # HTTP/1.1 upstream
     assert (
         "transport_socket" not in clusters_of(yaml.safe_load(render(descriptor)))["queue_service"]
     )
