@@ -119,13 +119,14 @@ def render(result: dict, console: Console) -> None:
     for mode in MODES:
         row = result[mode]
         table.add_row(mode, str(row["n"]), f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}")
+    console.print(table)
     for q in (50, 99):
         inc = result[f"increment_p{q}_ms"]
         low, high = inc["ci95"]
-        cells = ("", f"{inc['value']:+.2f} ({low:+.2f}..{high:+.2f})", "")
-        table.add_row(f"mTLS - plaintext, p{q}", "", *(cells if q == 50 else cells[::-1]))
-    console.print(table)
-    console.print("increment: the percentile of mTLS minus that of plaintext, 95 % bootstrap CI")
+        console.print(
+            f"mTLS - plaintext at p{q}: {inc['value']:+.2f} ms (95 % bootstrap CI "
+            f"{low:+.2f} .. {high:+.2f})"
+        )
 
 
 def plot(result: dict, path: Path) -> None:
