@@ -10,13 +10,17 @@ deployment brings its own (Kubernetes secrets, a mesh's CA) in the same file lay
 ``ca.pem`` and, per identity, ``<stem>.pem`` and ``<stem>.key`` (``Identity.file_stem``).
 
 Keys are ECDSA P-256: a thousand times faster to make than RSA, and what TLS 1.3 and gRPC's
-BoringSSL prefer. Leaves carry both server and client authentication, and the names a peer
-dials them by: ``localhost``, 127.0.0.1, ::1 and the compose service name.
+BoringSSL prefer. A service's certificate (``SERVERS``) carries server and client
+authentication and the names a peer dials it by (``localhost``, 127.0.0.1, ::1 and its compose
+service name, which is its role); every other identity's is a client certificate only. Each
+process gets a directory of its own (``export``): the CA's certificate and its own key, never
+the CA's key or another identity's.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import os
 from collections.abc import Iterable
@@ -36,6 +40,10 @@ CA_NAME = "tierflow local CA"
 CA_DAYS = 3650
 LEAF_DAYS = 365
 RENEW_BEFORE = datetime.timedelta(days=30)  # a leaf closer than this to its end is reissued
+
+# The identities that serve: their certificates may authenticate a server and name the hosts
+# they are dialled by. The others (edge, operator, workers) are client certificates only.
+SERVERS = frozenset({Role.QUEUE_SERVICE, Role.GATEWAY, Role.OPENAI_API})
 
 # What every standard deployment runs; workers are issued by id (``--worker``).
 STANDARD = (
@@ -77,22 +85,30 @@ def ensure(directory: Path, identities: Iterable[Identity] = STANDARD) -> list[I
     """The CA in ``directory`` (made if absent) and each of ``identities`` issued by it, unless
     a valid one is there already. Returns the identities it issued now."""
     directory.mkdir(parents=True, exist_ok=True)
-    authority = _load_or_make_ca(directory)
-    issued = []
-    for identity in identities:
-        if not _current(directory, identity, authority):
-            issue(directory, identity, authority)
-            issued.append(identity)
+    # One ensure at a time per directory (tierflow up beside a bench): a lock file, not the
+    # files themselves, so that readers never wait.
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        authority = _load_or_make_ca(directory)
+        issued = []
+        for identity in identities:
+            if not _current(directory, identity, authority):
+                issue(directory, identity, authority)
+                issued.append(identity)
     return issued
 
 
 def issue(directory: Path, identity: Identity, authority: Authority) -> None:
-    """Writes ``identity``'s key and certificate, signed by ``authority``."""
+    """Writes ``identity``'s key and certificate, signed by ``authority``. A server identity
+    (``SERVERS``) may authenticate as a server and names the hosts it is dialled by; any other
+    is a client certificate only, so that it cannot stand in for a service."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    names = [x509.DNSName(h) for h in ("localhost", identity.role.value)]
-    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1")]
-    cert = (
+    server = identity.role in SERVERS
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + (
+        [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
+    )
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.common_name)]))
         .issuer_name(authority.cert.subject)
@@ -100,27 +116,56 @@ def issue(directory: Path, identity: Identity, authority: Authority) -> None:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(authority.key, hashes.SHA256())
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(_authority_key_id(authority), critical=False)
     )
+    if server:
+        names = [x509.DNSName(h) for h in ("localhost", identity.role.value)]
+        names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "::1")]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(authority.key, hashes.SHA256())
     stem = identity.file_stem
     _write_key(directory / f"{stem}.key", key)
-    (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write(directory / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM))
+
+
+def export(directory: Path, identity: Identity) -> Path:
+    """A directory of ``identity``'s own: the CA's certificate and its key and certificate, and
+    no other key (not the CA's, not another identity's), for the process that runs as it. The
+    OpenAI service also gets the edge's certificate, its only trust anchor
+    (``tierflow.identity.edge_only_server_context``)."""
+    own = directory / "by-identity" / identity.file_stem
+    own.mkdir(parents=True, exist_ok=True)
+    stem = identity.file_stem
+    _write(own / CA_FILE, (directory / CA_FILE).read_bytes())
+    _write(own / f"{stem}.pem", (directory / f"{stem}.pem").read_bytes())
+    _write(own / f"{stem}.key", (directory / f"{stem}.key").read_bytes(), 0o600)
+    if identity.role is Role.OPENAI_API:  # it trusts the edge's certificate itself (no key)
+        edge = Identity(Role.EDGE).file_stem
+        _write(own / f"{edge}.pem", (directory / f"{edge}.pem").read_bytes())
+    return own
+
+
+def _authority_key_id(authority: Authority) -> x509.AuthorityKeyIdentifier:
+    return x509.AuthorityKeyIdentifier.from_issuer_public_key(authority.key.public_key())
 
 
 def _load_or_make_ca(directory: Path) -> Authority:
     key_path, cert_path = directory / CA_KEY_FILE, directory / CA_FILE
-    if key_path.exists() and cert_path.exists():
+    if key_path.exists() != cert_path.exists():
+        # A deployment's own CA (its certificate without its key) is never replaced.
+        raise ValueError(
+            f"{directory} has one of {CA_FILE} and {CA_KEY_FILE} without the other: "
+            "issue with the CA that made it, or move both away to make a new CA"
+        )
+    if key_path.exists():
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
-        assert isinstance(key, ec.EllipticCurvePrivateKey), f"{key_path} is not an EC key"
-        return Authority(key, x509.load_pem_x509_certificate(cert_path.read_bytes()))
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or not _matches(cert, key):
+            raise ValueError(f"{key_path} is not the key of {cert_path}")
+        return Authority(key, cert)
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
     now = _now()
@@ -134,10 +179,11 @@ def _load_or_make_ca(directory: Path) -> Authority:
         .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_CA_KEY_USAGE, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     _write_key(key_path, key)
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
     return Authority(key, cert)
 
 
@@ -147,11 +193,28 @@ def _current(directory: Path, identity: Identity, authority: Authority) -> bool:
     if not cert_path.exists() or not (directory / f"{identity.file_stem}.key").exists():
         return False
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    key = serialization.load_pem_private_key(
+        (directory / f"{identity.file_stem}.key").read_bytes(), password=None
+    )
     return (
         cert.issuer == authority.cert.subject
         and cert.not_valid_after_utc - RENEW_BEFORE > _now()
         and _signed_by(cert, authority)
+        and _matches(cert, key)
+        and _has(cert, x509.AuthorityKeyIdentifier)  # strict verification (Python 3.13) needs it
     )
+
+
+def _matches(cert: x509.Certificate, key) -> bool:
+    return cert.public_key().public_numbers() == key.public_key().public_numbers()
+
+
+def _has(cert: x509.Certificate, extension: type) -> bool:
+    try:
+        cert.extensions.get_extension_for_class(extension)
+    except x509.ExtensionNotFound:
+        return False
+    return True
 
 
 def _signed_by(cert: x509.Certificate, authority: Authority) -> bool:
@@ -169,9 +232,18 @@ def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    _write(path, pem, 0o600)
+
+
+def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Whole or not at all: a temporary file renamed over ``path``, so that a crash or a second
+    ``ensure`` never leaves half a file (or a key beside another key's certificate)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
-        f.write(pem)
+        os.fchmod(f.fileno(), mode)  # whatever the umask, and a stale file's mode
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _now() -> datetime.datetime:

@@ -28,6 +28,7 @@ from gateway.config import GatewayConfig
 from launch.certs import STANDARD as STANDARD_IDENTITIES
 from launch.certs import default_dir as default_certs_dir
 from launch.certs import ensure as ensure_certs
+from launch.certs import export as export_identity
 from launch.kafka_broker import LocalKafkaBroker
 from launch.processes import (
     QUEUE_SERVICE_LISTENING,
@@ -98,7 +99,7 @@ class Endpoints:
     queue_service_canary: str = ""
     metrics: dict[str, str] = field(default_factory=dict)  # service -> host:port of /metrics
     pids: dict[str, int] = field(default_factory=dict)
-    tls_dir: str = ""  # the identities; a direct caller is the operator (operator_credentials)
+    tls_dir: str = ""  # the operator's own certificates: what a direct caller presents
 
     def operator_credentials(self) -> grpc.ChannelCredentials | None:
         """What a direct caller of the queue service presents: the operator's identity."""
@@ -117,6 +118,7 @@ class LocalStack:
         self.supervisor = Supervisor(config.restart)
         self._cores = sorted(os.sched_getaffinity(0))
         self._workers_started = 0
+        self._identity_dirs: dict[Identity, str] = {}  # each process's own certificates
 
     def start(self) -> Endpoints:
         cfg = self.config
@@ -161,18 +163,25 @@ class LocalStack:
         return ids + ([f"canary-worker-{i}" for i in range(canaries)] if cfg.canary_policy else [])
 
     def _ensure_identities(self) -> None:
-        """The CA and every identity this stack runs (made once, kept in the cache)."""
+        """The CA and every identity this stack runs (made once, kept in the cache), and for
+        each process a directory with its own key only (``launch.certs.export``)."""
         if self.config.tls_dir is None:
             return
         tls_dir = Path(self.config.tls_dir).resolve()
         workers = [Identity.worker(w) for w in self._worker_ids()]
-        issued = ensure_certs(tls_dir, [*STANDARD_IDENTITIES, *workers])
+        identities = [*STANDARD_IDENTITIES, *workers]
+        issued = ensure_certs(tls_dir, identities)
         log.info("identities ready", tls_dir=str(tls_dir), issued=[i.common_name for i in issued])
-        self.endpoints.tls_dir = str(tls_dir)
+        self._identity_dirs = {i: str(export_identity(tls_dir, i)) for i in identities}
+        self.endpoints.tls_dir = self._identity_dirs[Identity(Role.OPERATOR)]
 
-    def _tls(self) -> list[str]:
-        """A service's mTLS flags: its identities, or plaintext when the stack has none."""
-        return ["--tls-dir", self.endpoints.tls_dir] if self.endpoints.tls_dir else ["--plaintext"]
+    def _identity_dir(self, identity: Identity) -> Path | None:
+        return Path(self._identity_dirs[identity]) if self._identity_dirs else None
+
+    def _tls(self, identity: Identity) -> list[str]:
+        """A service's mTLS flags: its own identity, or plaintext when the stack has none."""
+        own = self._identity_dir(identity)
+        return ["--tls-dir", str(own)] if own is not None else ["--plaintext"]
 
     def _spawn(self, name: str, command: list[str], **env: str) -> ServiceProcess:
         proc = ServiceProcess(name, command, self.log_dir / f"{name}.log", env=env or None)
@@ -204,7 +213,7 @@ class LocalStack:
             "--deployment", deployment,
             "--metrics-port", self._metrics_port(name),
             "--no-worker-timeout", str(cfg.no_worker_timeout_s),
-            *self._tls(),
+            *self._tls(Identity(Role.QUEUE_SERVICE)),
         )  # fmt: skip
         if canary:
             command += ["--topic-prefix", CANARY_TOPIC_PREFIX]
@@ -252,7 +261,7 @@ class LocalStack:
                 "--check", check,
                 "--deployment", deployment,
                 "--metrics-port", self._metrics_port(worker_id),
-                *self._tls(),
+                *self._tls(Identity.worker(worker_id)),
                 *pin,
             ),
             # Every service of this stack shares the machine's cores: the worker's OpenMP
@@ -271,7 +280,7 @@ class LocalStack:
                 "--keys", str(self.config.keys_file),
                 "--tiers", str(self.config.tiers_file),
                 "--metrics-port", self._metrics_port("gateway"),
-                *self._tls(),
+                *self._tls(Identity(Role.GATEWAY)),
             ),
         )  # fmt: skip
         self.endpoints.gateway = f"127.0.0.1:{port}"
@@ -288,12 +297,13 @@ class LocalStack:
                 "--queue-service", self.endpoints.queue_service,
                 "--model", self.config.model,
                 "--tiers", str(self.config.tiers_file),
-                *(["--tls-dir", self.endpoints.tls_dir] if self.endpoints.tls_dir else []),
+                *(self._tls(Identity(Role.OPENAI_API)) if self._identity_dirs else []),
             ),
         )  # fmt: skip
         self.endpoints.openai_api = f"127.0.0.1:{port}"
-        if self.endpoints.tls_dir:  # it answers the edge only
-            edge = client_context(Path(self.endpoints.tls_dir), Identity(Role.EDGE))
+        edge_dir = self._identity_dir(Identity(Role.EDGE))
+        if edge_dir is not None:  # it answers the edge only
+            edge = client_context(edge_dir, Identity(Role.EDGE))
             wait_http_ok(f"https://{self.endpoints.openai_api}/health", proc, context=edge)
         else:
             wait_http_ok(f"http://{self.endpoints.openai_api}/health", proc)
@@ -317,7 +327,7 @@ class LocalStack:
                 openai_api=self.endpoints.openai_api,
                 descriptor_path=descriptor,
                 rate_limits=self.config.rate_limits,
-                tls_dir=Path(self.endpoints.tls_dir) if self.endpoints.tls_dir else None,
+                tls_dir=self._identity_dir(Identity(Role.EDGE)),
             )
         )
         self._spawn(
