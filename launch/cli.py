@@ -423,6 +423,14 @@ def _seconds_list(text: str) -> tuple[float, ...]:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="compare scheduling policies on the same arrivals")
+    _add_bench_workload(b)
+    _add_bench_modes(b)
+    _add_bench_outputs(b)
+    b.set_defaults(func=_bench)
+
+
+def _add_bench_workload(b) -> None:
+    """The model, the policies and the arrivals they are compared on."""
     b.add_argument("--model", help="default bench-llama")
     b.add_argument("--device")
     b.add_argument("--policies", help="comma-separated; default all five")
@@ -445,6 +453,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--tiers", type=Path, help="tiers TOML (default config/tiers.toml)")
     b.add_argument("--predictor", type=Path, help="predictor JSON from `tierflow calibrate`")
     b.add_argument("--quick", action="store_true", help="short run for CI smoke use")
+
+
+def _add_bench_modes(b) -> None:
+    """What the run measures, besides the plain side-by-side: each mode its own benchmark."""
     b.add_argument(
         "--batch",
         action="store_true",
@@ -480,6 +492,10 @@ def _add_bench(sub) -> None:
         help="comma-separated multiples of the top tier's isolated TTFT: the policies that plan "
         "by deadlines run again with that tier's SLO set to each (e.g. 1.5,2,3,5)",
     )
+
+
+def _add_bench_outputs(b) -> None:
+    """The workers' batching, the outputs, and where the results go."""
     b.add_argument("--kv-slots", type=int, help=f"KV slots per worker ({BatchConfig.pool_slots})")
     b.add_argument(
         "--max-batch-size",
@@ -501,7 +517,6 @@ def _add_bench(sub) -> None:
     )  # fmt: skip
     b.add_argument("--json", type=Path)
     b.add_argument("--plot", type=Path)
-    b.set_defaults(func=_bench)
 
 
 def _add_trace_options(b: argparse.ArgumentParser) -> None:
