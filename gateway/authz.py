@@ -136,8 +136,8 @@ class Authorizer(external_auth_pb2_grpc.AuthorizationServicer):
     async def Check(
         self, request: external_auth_pb2.CheckRequest, context: grpc.aio.ServicerContext
     ) -> external_auth_pb2.CheckResponse:
-        if self.mtls and peer_identity(context) != Identity(Role.EDGE):
-            peer = peer_identity(context)
+        peer = peer_identity(context) if self.mtls else None
+        if self.mtls and peer != Identity(Role.EDGE):
             who = f"identity {peer.common_name!r}" if peer else "a peer without an identity"
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who} is not the edge")
         http = request.attributes.request.http

@@ -23,6 +23,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tierflow.identity import open_channel
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -130,11 +132,7 @@ def wait_serving(
     """Until the gRPC health service at ``target`` answers SERVING (over mTLS with
     ``credentials``: an identity's, ``TlsFiles.channel_credentials``)."""
     deadline = time.monotonic() + timeout
-    channel = (
-        grpc.insecure_channel(target)
-        if credentials is None
-        else grpc.secure_channel(target, credentials)
-    )
+    channel = open_channel(target, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

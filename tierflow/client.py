@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from tierflow.identity import open_channel
 from tierflow.resume import Resume, StreamError, time_left
 from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, KEY_WEIGHT_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
@@ -111,11 +112,7 @@ class TierflowClient:
         credentials: grpc.ChannelCredentials | None = None,
         reattach_s: float = REATTACH_S,
     ) -> None:
-        self._channel = (
-            grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
-            if credentials is not None
-            else grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        )
+        self._channel = open_channel(target, credentials, CHANNEL_OPTIONS)
         self._stub = serving_pb2_grpc.TierflowStub(self._channel)
         self._metadata = _metadata(api_key, tier)
         self._reattach_s = reattach_s

@@ -124,6 +124,16 @@ def client_context(directory: Path, identity: Identity) -> ssl.SSLContext:
     return ctx
 
 
+def open_channel(
+    target: str, credentials: grpc.ChannelCredentials | None = None, options=None
+) -> grpc.Channel:
+    """A channel to ``target``: over mTLS with ``credentials`` (an identity's,
+    ``TlsFiles.channel_credentials``), else plaintext."""
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
 def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> Identity | None:
     """The identity the peer's certificate states; None for a plaintext peer (or one whose
     certificate names no identity). The TLS handshake has already checked the certificate

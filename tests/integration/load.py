@@ -23,6 +23,7 @@ import grpc
 
 from launch.processes import ServiceProcess
 from tierflow.client import generate_request
+from tierflow.identity import open_channel
 from tierflow.tiers import API_KEY_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
@@ -63,11 +64,7 @@ def plain_stream(
     """
     metadata = [(TIER_HEADER, tier)] if tier else []
     metadata += [(API_KEY_HEADER, api_key)] if api_key else []
-    channel = (
-        grpc.insecure_channel(target)
-        if credentials is None
-        else grpc.secure_channel(target, credentials)
-    )
+    channel = open_channel(target, credentials)
     with channel:
         call = serving_pb2_grpc.TierflowStub(channel).Generate(
             generate_request(prompt, **params), metadata=metadata, timeout=timeout

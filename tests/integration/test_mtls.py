@@ -33,7 +33,7 @@ from tests.integration.processes import (
     stop_started,
 )
 from tierflow.client import TierflowClient
-from tierflow.identity import Identity, Role, TlsFiles, client_context
+from tierflow.identity import Identity, Role, TlsFiles, client_context, open_channel
 from tierflow.tiers import KEY_ID_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
@@ -87,11 +87,7 @@ def test_the_operator_is_served_end_to_end_over_mtls(secured, certs):
 
 def generate_status(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
     """The status a Generate call ends with (OK when it completes)."""
-    channel = (
-        grpc.insecure_channel(target)
-        if credentials is None
-        else grpc.secure_channel(target, credentials)
-    )
+    channel = open_channel(target, credentials)
     request = serving_pb2.GenerateRequest(token_ids=serving_pb2.TokenIds(ids=[5, 6, 7]))
     metadata = [(TIER_HEADER, "critical")]
     try:

@@ -22,14 +22,11 @@ from launch.local_stack import LocalStack, StackConfig
 from launch.supervisor import RestartPolicy
 from tests.integration.load import prompt_ids, run_request, stream_until
 from tests.integration.processes import start_queue_service
+from tierflow.identity import open_channel
 
 
 def health(target: str, service: str = "", credentials=None) -> int | None:
-    channel = (
-        grpc.insecure_channel(target)
-        if credentials is None
-        else grpc.secure_channel(target, credentials)
-    )
+    channel = open_channel(target, credentials)
     with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
