@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from launch.kafka_broker import LocalKafkaBroker
+from tests.integration.processes import print_own_log_lines
 from tierflow.kafka_settings import KafkaSettings
 
 
@@ -29,6 +30,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
+
+
+@pytest.fixture(autouse=True)
+def _shared_stack_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A class- or module-scoped stack outlives the test, so ``stop_started`` never sees it
+    fail: this prints the own log lines of every stack the failed test used (a fixture value
+    with a ``processes()`` method), the only record in CI of what its services did."""
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is None or not report.failed:
+        return
+    for value in getattr(request.node, "funcargs", {}).values():
+        if callable(getattr(value, "processes", None)):
+            print_own_log_lines(value.processes())
 
 
 @pytest.fixture(scope="session")

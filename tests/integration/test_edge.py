@@ -289,6 +289,11 @@ class EdgeStack:
     keys: Path = KEYS_FILE  # the gateway's keys file
     certs: Path | None = None  # the identities: a direct call to the queue service is mTLS
 
+    def processes(self) -> list[ServiceProcess]:
+        """Its services, for the logs of a failed test (``conftest``)."""
+        procs = [self.queue_service, self.worker, self.gateway, self.openai_api, self.envoy]
+        return [p for p in procs if p is not None]
+
     def operator(self) -> grpc.ChannelCredentials:
         """The operator's credentials, for a call straight to the queue service."""
         assert self.certs is not None
