@@ -37,7 +37,6 @@ from launch.stack_client import Credentials, StackRecord, replay
 from ops import canary
 from ops.compare import Criteria, compare, format_report
 from ops.records import LogRecord, iter_kafka
-from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import load_tiers
 
 SIDES = (PRIMARY, CANARY)
@@ -146,10 +145,7 @@ def measure_canary(
     ended = time.time()
     time.sleep(1.0)  # the last request-log records are sent from a thread
     after = _snapshot(prometheus, time.time())
-    records = [
-        LogRecord.from_proto(m)
-        for m in iter_kafka(KafkaSettings(bootstrap=e.kafka), since_s=started)
-    ]
+    records = [LogRecord.from_proto(m) for m in iter_kafka(e.operator_kafka(), since_s=started)]
     busy = prometheus.busy_fractions(before.at, after.at, split)
     result = compare(
         records, tiers=list(tiers.names), slos={t.name: t.ttft_slo_s for t in tiers},

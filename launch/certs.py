@@ -43,7 +43,7 @@ RENEW_BEFORE = datetime.timedelta(days=30)  # a leaf closer than this to its end
 
 # The identities that serve: their certificates may authenticate a server and name the hosts
 # they are dialled by. The others (edge, operator, workers) are client certificates only.
-SERVERS = frozenset({Role.QUEUE_SERVICE, Role.GATEWAY, Role.OPENAI_API})
+SERVERS = frozenset({Role.QUEUE_SERVICE, Role.GATEWAY, Role.OPENAI_API, Role.KAFKA})
 
 # What every standard deployment runs; workers are issued by id (``--worker``).
 STANDARD = (
@@ -52,6 +52,7 @@ STANDARD = (
     Identity(Role.GATEWAY),
     Identity(Role.QUEUE_SERVICE),
     Identity(Role.OPERATOR),
+    Identity(Role.KAFKA),
 )
 
 

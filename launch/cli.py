@@ -225,7 +225,8 @@ def _up(args: argparse.Namespace) -> int:
         print(
             f"tierflow is up: edge {e.envoy or '-'} (gRPC + JSON + OpenAI API at "
             f"http://{e.envoy or '-'}/v1), queue service {e.queue_service} (mTLS: "
-            f"`--tls-dir {e.tls_dir}` as the operator), kafka {e.kafka}; logs in {stack.log_dir}"
+            f"`--tls-dir {e.tls_dir}` as the operator), kafka {e.kafka} (mTLS: "
+            f"`--kafka-tls-dir {e.tls_dir}`); logs in {stack.log_dir}"
         )
         print("Ctrl-C or `tierflow down` stops it.")
         with contextlib.suppress(KeyboardInterrupt):

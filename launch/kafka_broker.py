@@ -29,6 +29,8 @@ from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
 from launch.processes import free_port
+from tierflow.identity import Role
+from tierflow.kafka_settings import KafkaSettings
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kafka.sh"
 # The JVM alone takes a few seconds; two busy cores shared with tests can make it many more.
@@ -49,7 +51,11 @@ class LocalKafkaBroker:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         heap: str = "512m",
         script: Path = SCRIPT,
+        tls_dir: Path | None = None,
     ) -> None:
+        """``tls_dir``: a directory of ``tierflow certs`` holding the broker's identity
+        (``kafka``); then the broker speaks only mTLS and enforces ACLs (``launch/kafka_acls``)."""
+        self.tls_dir = tls_dir
         self.start_timeout_s = start_timeout_s
         self.heap = heap
         self.script = script
@@ -140,6 +146,14 @@ class LocalKafkaBroker:
         """``127.0.0.1:PORT``, for ``KafkaSettings(bootstrap=...)``."""
         return f"127.0.0.1:{self.port}"
 
+    def admin_settings(self) -> KafkaSettings:
+        """Settings of a client as the broker's super user: with TLS, the ``kafka`` identity."""
+        if self.tls_dir is None:
+            return KafkaSettings(bootstrap=self.bootstrap)
+        return KafkaSettings(
+            bootstrap=self.bootstrap, tls_dir=str(self.tls_dir), tls_identity=Role.KAFKA.value
+        )
+
     @property
     def data_dir(self) -> Path:
         if self._data_dir is None:
@@ -173,6 +187,7 @@ class LocalKafkaBroker:
             "KAFKA_START_TIMEOUT": str(int(self.start_timeout_s)),
             # The script's watchdog stops the broker once this process is gone, however it died.
             "TIERFLOW_KAFKA_OWNER_PID": str(os.getpid()),
+            **({"KAFKA_TLS_DIR": str(self.tls_dir)} if self.tls_dir is not None else {}),
         }
         try:
             done = subprocess.run(
@@ -206,10 +221,13 @@ class LocalKafkaBroker:
         while time.monotonic() < deadline:
             remaining_ms = max(1000, int((deadline - time.monotonic()) * 1000))
             try:
+                timeout_ms = min(remaining_ms, 10_000)
                 admin = KafkaAdminClient(
-                    bootstrap_servers=self.bootstrap,
-                    bootstrap_timeout_ms=min(remaining_ms, 10_000),
-                    request_timeout_ms=min(remaining_ms, 10_000),
+                    **{
+                        **self.admin_settings().admin_config(),
+                        "bootstrap_timeout_ms": timeout_ms,
+                        "request_timeout_ms": timeout_ms,
+                    }
                 )
                 try:
                     admin.list_topics()

@@ -3,7 +3,9 @@
 Starts, in dependency order and each only once the previous answers: a Kafka broker (KRaft,
 from its Maven Central jars), the queue service, N workers (each attached), the gateway
 (ext_authz), the OpenAI-compatible service and Envoy (the edge). Every hop into the queue
-service is mTLS, with identities from a CA made on first use in the cache (``tierflow certs``).
+service is mTLS, with identities from a CA made on first use in the cache (``tierflow certs``),
+and so is every Kafka client, held by the broker's ACLs to what its role needs
+(``launch.kafka_acls``).
 Every process logs to one directory. Once up, a supervisor (``launch.supervisor``) restarts a
 child that exits, with backoff, and gives up loudly after repeated failures
 (``supervisor.failed``). ``stop()`` (Ctrl-C in ``tierflow up``, or ``tierflow down`` from
@@ -29,6 +31,7 @@ from launch.certs import STANDARD as STANDARD_IDENTITIES
 from launch.certs import default_dir as default_certs_dir
 from launch.certs import ensure as ensure_certs
 from launch.certs import export as export_identity
+from launch.kafka_acls import grant as grant_acls
 from launch.kafka_broker import LocalKafkaBroker
 from launch.processes import (
     QUEUE_SERVICE_LISTENING,
@@ -101,6 +104,13 @@ class Endpoints:
     pids: dict[str, int] = field(default_factory=dict)
     tls_dir: str = ""  # the operator's own certificates: what a direct caller presents
 
+    def operator_kafka(self) -> KafkaSettings:
+        """Kafka as the ops tools reach it: the operator's identity (the request log only)."""
+        if not self.tls_dir:
+            return KafkaSettings(bootstrap=self.kafka)
+        operator = Identity(Role.OPERATOR).file_stem
+        return KafkaSettings(bootstrap=self.kafka, tls_dir=self.tls_dir, tls_identity=operator)
+
     def operator_credentials(self) -> grpc.ChannelCredentials | None:
         """What a direct caller of the queue service presents: the operator's identity."""
         if not self.tls_dir:
@@ -125,12 +135,8 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             started = time.monotonic()
-            kafka_dir = self.log_dir / "kafka"
-            shutil.rmtree(kafka_dir, ignore_errors=True)  # a fresh queue: no replay of old runs
-            self.broker = LocalKafkaBroker().start(data_dir=kafka_dir)
-            self.endpoints.kafka = self.broker.bootstrap
-            log.info("kafka ready", bootstrap=self.broker.bootstrap)
             self._ensure_identities()
+            self._start_kafka()
             self.endpoints.queue_service = self._start_queue_service(PRIMARY)
             for i in range(cfg.workers):
                 self._start_worker(f"worker-{i}", self.endpoints.queue_service, PRIMARY)
@@ -155,6 +161,24 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+
+    def _start_kafka(self) -> None:
+        """The broker; with identities, mTLS only and the ACLs of ``launch.kafka_acls``."""
+        kafka_dir = self.log_dir / "kafka"
+        shutil.rmtree(kafka_dir, ignore_errors=True)  # a fresh queue: no replay of old runs
+        own = self._identity_dir(Identity(Role.KAFKA))
+        self.broker = LocalKafkaBroker(tls_dir=own).start(data_dir=kafka_dir)
+        self.endpoints.kafka = self.broker.bootstrap
+        if own is not None:
+            primary = KafkaSettings(bootstrap=self.broker.bootstrap)
+            grant_acls(
+                self.broker.bootstrap,
+                own,
+                topic_prefixes=[primary.topic_prefix, CANARY_TOPIC_PREFIX],
+                request_log=primary.request_log_topic,
+                group_prefix=primary.group_id,
+            )
+        log.info("kafka ready", bootstrap=self.broker.bootstrap, tls=own is not None)
 
     def _worker_ids(self) -> list[str]:
         cfg = self.config
@@ -215,6 +239,8 @@ class LocalStack:
             "--no-worker-timeout", str(cfg.no_worker_timeout_s),
             *self._tls(Identity(Role.QUEUE_SERVICE)),
         )  # fmt: skip
+        if self._identity_dirs:  # its own identity for Kafka too
+            command += ["--kafka-tls-dir", str(self._identity_dir(Identity(Role.QUEUE_SERVICE)))]
         if canary:
             command += ["--topic-prefix", CANARY_TOPIC_PREFIX]
         if cfg.predictor_file:
@@ -285,7 +311,9 @@ class LocalStack:
         )  # fmt: skip
         self.endpoints.gateway = f"127.0.0.1:{port}"
         credentials = self.endpoints.operator_credentials()
-        wait_serving(self.endpoints.gateway, timeout=60, credentials=credentials)
+        wait_serving(
+            self.endpoints.gateway, timeout=60, credentials=credentials, server=Role.GATEWAY
+        )
 
     def _start_openai_api(self) -> None:
         port = free_port()

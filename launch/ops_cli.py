@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from launch.local_stack import STATE_FILE, StackConfig
+from tierflow.identity import Identity, Role
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import load_tiers
 
@@ -31,8 +32,24 @@ def add_ops_commands(sub) -> None:
 # ----------------------------------------------------------------------------- sources
 
 
-def _add_source_options(p: argparse.ArgumentParser) -> None:
+def _add_kafka_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
+    p.add_argument(
+        "--kafka-tls-dir",
+        help="reach Kafka over mTLS as the operator, with the certificates in this directory "
+        "(`tierflow up` prints it; default $TIERFLOW_KAFKA_TLS_DIR; unset: plaintext)",
+    )
+
+
+def _kafka_settings(args: argparse.Namespace, **overrides) -> KafkaSettings:
+    """The operator's Kafka settings: the environment's, with what the command line gives."""
+    given = {"bootstrap": args.kafka_bootstrap, "tls_dir": args.kafka_tls_dir, **overrides}
+    operator = Identity(Role.OPERATOR).file_stem
+    return KafkaSettings.from_env(**{k: v for k, v in given.items() if v}, tls_identity=operator)
+
+
+def _add_source_options(p: argparse.ArgumentParser) -> None:
+    _add_kafka_options(p)
     p.add_argument("--request-log-topic", help="default <prefix>request_log")
     p.add_argument("--since", help="window start: ISO time, or seconds ago (e.g. 3600)")
     p.add_argument("--until", help="window end: ISO time, or seconds ago")
@@ -49,8 +66,7 @@ def _when(text: str | None) -> float | None:
 
 
 def _settings(args: argparse.Namespace) -> KafkaSettings:
-    overrides = {"bootstrap": args.kafka_bootstrap, "request_log": args.request_log_topic}
-    return KafkaSettings.from_env(**{k: v for k, v in overrides.items() if v})
+    return _kafka_settings(args, request_log=args.request_log_topic)
 
 
 def _records(args: argparse.Namespace, source: str, progress=None):
@@ -351,9 +367,7 @@ def _add_request_log(sub) -> None:
 def _topic(args: argparse.Namespace) -> int:
     from ops.topics import read_topic
 
-    settings = KafkaSettings.from_env(
-        **({"bootstrap": args.kafka_bootstrap} if args.kafka_bootstrap else {})
-    )
+    settings = _kafka_settings(args)
     for record in read_topic(
         settings, args.topic, from_end=args.from_end, limit=args.max, follow=args.follow
     ):
@@ -364,8 +378,12 @@ def _topic(args: argparse.Namespace) -> int:
 def _add_topic(sub) -> None:
     t = sub.add_parser("topic", help="read a Kafka topic's records as JSON lines")
     t.add_argument("action", choices=["read"])
-    t.add_argument("topic", help="e.g. tierflow.priority_critical, tierflow.request_log")
-    t.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
+    t.add_argument(
+        "topic",
+        help="e.g. tierflow.request_log; a tier topic (tierflow.priority_critical) only from a "
+        "plaintext broker: a secured one lets the operator read the request log alone",
+    )
+    _add_kafka_options(t)
     t.add_argument("--max", type=int, help="stop after this many records")
     t.add_argument("--follow", action="store_true", help="keep waiting for new records")
     t.add_argument("--from-end", action="store_true", help="only records written from now on")

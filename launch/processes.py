@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierflow.identity import open_channel
+from tierflow.identity import Role, open_channel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,11 +128,12 @@ def wait_serving(
     timeout: float = 60.0,
     service: str = "",
     credentials: grpc.ChannelCredentials | None = None,
+    server: Role = Role.QUEUE_SERVICE,
 ) -> None:
     """Until the gRPC health service at ``target`` answers SERVING (over mTLS with
-    ``credentials``: an identity's, ``TlsFiles.channel_credentials``)."""
+    ``credentials``, an identity's, to the service ``server``)."""
     deadline = time.monotonic() + timeout
-    channel = open_channel(target, credentials)
+    channel = open_channel(target, credentials, server=server)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

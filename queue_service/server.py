@@ -267,6 +267,11 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     p.add_argument("--predictor", type=Path, help="from `tierflow calibrate`")
     p.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
     p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
+    p.add_argument(
+        "--kafka-tls-dir",
+        help="reach Kafka over mTLS as queue-service, with the certificates in this directory "
+        "(default $TIERFLOW_KAFKA_TLS_DIR; unset: plaintext)",
+    )
     p.add_argument("--instance-id")
     p.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s)
     p.add_argument(
@@ -291,7 +296,11 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     args = p.parse_args(argv)
     overrides = {
         k: v
-        for k, v in (("bootstrap", args.kafka_bootstrap), ("topic_prefix", args.topic_prefix))
+        for k, v in (
+            ("bootstrap", args.kafka_bootstrap),
+            ("topic_prefix", args.topic_prefix),
+            ("tls_dir", args.kafka_tls_dir),
+        )
         if v is not None
     }
     extra = {"instance_id": args.instance_id} if args.instance_id else {}
@@ -301,7 +310,9 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         policy=args.policy,
         tiers_file=args.tiers,
         predictor_file=args.predictor,
-        kafka=KafkaSettings.from_env(**overrides),
+        kafka=KafkaSettings.from_env(
+            **overrides, tls_identity=Identity(Role.QUEUE_SERVICE).file_stem
+        ),
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
         max_queued_sheddable=args.max_queued_sheddable,

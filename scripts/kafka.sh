@@ -13,6 +13,11 @@
 #   ${TIERFLOW_CACHE:-~/.cache/tierflow}/kafka/<version>/libs
 # DIR holds server.properties, the data (DIR/data), broker.log, broker.pid and watchdog.pid.
 #
+# With KAFKA_TLS_DIR set (a directory of `tierflow certs`: ca.pem, kafka.pem, kafka.key) both
+# listeners are mTLS (SSL, a client certificate required) and an authorizer holds every client
+# to its ACLs: a principal is its certificate's common name (User:queue-service), and only the
+# broker's own (User:kafka) is a super user, which `launch/kafka_acls.py` uses to grant the rest.
+#
 # Environment: KAFKA_VERSION (default below), KAFKA_HEAP (512m), KAFKA_START_TIMEOUT (90 s),
 # KAFKA_STOP_TIMEOUT (20 s), KAFKA_JVM_OPTS (extra JVM flags), TIERFLOW_KAFKA_OWNER_PID (when
 # set, a watchdog stops the broker once that process is gone, so a test run killed with SIGKILL
@@ -94,6 +99,36 @@ EOF
   echo "$libs"
 }
 
+# The broker's PEM keystore: its key (PKCS#8, unencrypted, as `tierflow certs` writes it) and
+# certificate in one file, readable by this user only.
+keystore() {
+  local dir=$1 tls=$KAFKA_TLS_DIR
+  for f in ca.pem kafka.pem kafka.key; do
+    [ -f "$tls/$f" ] || die "KAFKA_TLS_DIR=$tls has no $f (make it with: tierflow certs --dir $tls)"
+  done
+  (umask 077 && cat "$tls/kafka.key" "$tls/kafka.pem" >"$dir/keystore.pem")
+}
+
+# The mTLS and ACL lines of server.properties (KAFKA_TLS_DIR set).
+tls_properties() {
+  local dir=$1
+  cat <<EOF
+# mTLS on both listeners; the CA of tierflow certs is the only trust anchor.
+ssl.client.auth=required
+ssl.keystore.type=PEM
+ssl.keystore.location=$dir/keystore.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$KAFKA_TLS_DIR/ca.pem
+ssl.endpoint.identification.algorithm=https
+# A principal is the certificate's common name: CN=queue-service is User:queue-service.
+ssl.principal.mapping.rules=RULE:^CN=([^,]+).*\$/\$1/,DEFAULT
+# Every request is checked against the ACLs; none found is a denial.
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:kafka
+EOF
+}
+
 # True while PID names a live process (a zombie counts as dead: nobody may reap it here).
 alive() {
   local pid=$1 state
@@ -112,17 +147,22 @@ start() {
   if [ -f "$dir/broker.pid" ] && alive "$(cat "$dir/broker.pid")"; then
     die "a broker already runs from $dir (pid $(cat "$dir/broker.pid"))"
   fi
+  local protocol=PLAINTEXT
+  if [ -n "${KAFKA_TLS_DIR:-}" ]; then
+    protocol=SSL
+    keystore "$dir"
+  fi
 
   cat >"$dir/server.properties" <<EOF
 # Written by scripts/kafka.sh: one node that is both broker and controller (KRaft).
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$cport
-listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
-advertised.listeners=PLAINTEXT://127.0.0.1:$port
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listeners=$protocol://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
+advertised.listeners=$protocol://127.0.0.1:$port
+listener.security.protocol.map=$protocol:$protocol,CONTROLLER:$protocol
 controller.listener.names=CONTROLLER
-inter.broker.listener.name=PLAINTEXT
+inter.broker.listener.name=$protocol
 log.dirs=$dir/data
 # A single replica of everything: the defaults (3) would leave internal topics unavailable.
 offsets.topic.replication.factor=1
@@ -146,6 +186,9 @@ background.threads=2
 num.recovery.threads.per.data.dir=1
 log.cleaner.dedupe.buffer.size=16777216
 EOF
+  if [ -n "${KAFKA_TLS_DIR:-}" ]; then
+    tls_properties "$dir" >>"$dir/server.properties"
+  fi
 
   if [ ! -f "$dir/data/meta.properties" ]; then
     # A KRaft cluster id is 16 random bytes, URL-safe base64 without padding (what

@@ -32,6 +32,7 @@ class Role(enum.StrEnum):
     QUEUE_SERVICE = "queue-service"
     WORKER = "worker"  # one per worker id: attaches to the queue service
     OPERATOR = "operator"  # the person holding the CA: tierflow generate, bench --stack, ops
+    KAFKA = "kafka"  # the broker: serves the services' Kafka clients; its super user (ACLs)
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,25 @@ def client_context(directory: Path, identity: Identity) -> ssl.SSLContext:
 
 
 def open_channel(
-    target: str, credentials: grpc.ChannelCredentials | None = None, options=None
+    target: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    options=None,
+    *,
+    server: Role = Role.QUEUE_SERVICE,
 ) -> grpc.Channel:
     """A channel to ``target``: over mTLS with ``credentials`` (an identity's,
-    ``TlsFiles.channel_credentials``), else plaintext."""
+    ``TlsFiles.channel_credentials``) to the service ``server`` only, else plaintext."""
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, credentials, options=options)
+    return grpc.secure_channel(target, credentials, options=pinned(options, server))
+
+
+def pinned(options, server: Role) -> list[tuple[str, object]]:
+    """Channel ``options`` under which the server's certificate must name the service
+    ``server`` (its role, which ``launch.certs`` puts in every server's names), whatever
+    address was dialled: the CA signs every service's certificate, and without this a client
+    that dials 127.0.0.1 would take the gateway's for the queue service's."""
+    return [*(options or []), ("grpc.ssl_target_name_override", server.value)]
 
 
 def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> Identity | None:

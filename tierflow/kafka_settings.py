@@ -26,6 +26,11 @@ default), ``<prefix>capacity`` for the committed work of the tiers admission jud
 admission on every instance; kept ``capacity_retention_ms``). A canary deployment has tier
 topics of its own (another prefix) but writes to the primary's request log (``request_log``),
 so that one topic holds both sides of a rollout.
+
+Security: with ``tls_dir`` set, every client speaks mTLS to the broker, presenting the
+certificate of ``tls_identity`` (a file stem of ``tierflow certs``: ``queue-service``,
+``operator``), and the broker's ACLs decide what that principal may do
+(``launch/kafka_acls.py``). Empty: PLAINTEXT, for a broker on loopback in development.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ GROUP_ID_ENV = "TIERFLOW_KAFKA_GROUP_ID"
 PARTITIONS_ENV = "TIERFLOW_KAFKA_PARTITIONS"
 REPLICATION_FACTOR_ENV = "TIERFLOW_KAFKA_REPLICATION_FACTOR"
 REQUEST_LOG_ENV = "TIERFLOW_KAFKA_REQUEST_LOG"
+TLS_DIR_ENV = "TIERFLOW_KAFKA_TLS_DIR"
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -99,6 +105,10 @@ class KafkaSettings:
     request_log_retention_ms: int = 7 * 24 * 60 * 60 * 1000
     # Tier loads are republished several times a second and useless after a few: a minute.
     capacity_retention_ms: int = 60 * 1000
+    # mTLS to the broker: the directory of the CA and the identity's key and certificate, and
+    # the identity's file stem. "": plaintext (``TIERFLOW_KAFKA_TLS_DIR``).
+    tls_dir: str = ""
+    tls_identity: str = ""
 
     # Producer: how long a publish may take before the client hears UNAVAILABLE.
     request_timeout_ms: int = 5_000
@@ -139,6 +149,8 @@ class KafkaSettings:
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             # Kafka's rule of thumb: several heartbeats must fit in one session.
             raise ValueError("heartbeat_interval_ms must be at most a third of session_timeout_ms")
+        if self.tls_dir and not self.tls_identity:
+            raise ValueError("tls_dir needs tls_identity: whose certificate to present")
         if self.delivery_timeout_ms < self.request_timeout_ms:
             raise ValueError("delivery_timeout_ms must be >= request_timeout_ms (linger is 0)")
 
@@ -154,6 +166,7 @@ class KafkaSettings:
             ("partitions", PARTITIONS_ENV, int),
             ("replication_factor", REPLICATION_FACTOR_ENV, int),
             ("request_log", REQUEST_LOG_ENV, str),
+            ("tls_dir", TLS_DIR_ENV, str),
         ):
             raw = env.get(var)
             if raw is None or raw == "":
@@ -188,6 +201,19 @@ class KafkaSettings:
             "bootstrap_servers": self.bootstrap,
             "bootstrap_timeout_ms": self.bootstrap_timeout_ms,
             "reconnect_backoff_max_ms": self.reconnect_backoff_max_ms,
+            **self._security(),
+        }
+
+    def _security(self) -> dict[str, Any]:
+        if not self.tls_dir:
+            return {"security_protocol": "PLAINTEXT"}
+        stem = os.path.join(self.tls_dir, self.tls_identity)
+        return {
+            "security_protocol": "SSL",
+            "ssl_cafile": os.path.join(self.tls_dir, "ca.pem"),
+            "ssl_certfile": f"{stem}.pem",
+            "ssl_keyfile": f"{stem}.key",
+            "ssl_check_hostname": True,  # the broker's certificate names 127.0.0.1 and kafka
         }
 
     def producer_config(self) -> dict[str, Any]:

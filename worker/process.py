@@ -33,7 +33,7 @@ import time
 import grpc
 import structlog
 
-from tierflow.identity import Identity, TlsFiles
+from tierflow.identity import Identity, TlsFiles, open_channel
 from tierflow.metrics import serve_metrics
 from tierflow.v1 import worker_pb2, worker_pb2_grpc
 from worker import wire
@@ -210,11 +210,11 @@ class WorkerProcess:
             ("grpc.initial_reconnect_backoff_ms", int(self.config.reconnect_min_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(self.config.reconnect_max_s * 1000)),
         ]
-        target = self.config.queue_service
-        if self.config.tls_dir is None:
-            return grpc.insecure_channel(target, options=options)
-        tls = TlsFiles.load(self.config.tls_dir, Identity.worker(self.config.worker_id))
-        return grpc.secure_channel(target, tls.channel_credentials(), options=options)
+        credentials = None
+        if self.config.tls_dir is not None:
+            tls = TlsFiles.load(self.config.tls_dir, Identity.worker(self.config.worker_id))
+            credentials = tls.channel_credentials()
+        return open_channel(self.config.queue_service, credentials, options)
 
     def _control_loop(self) -> None:
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from launch.certs import STANDARD as STANDARD_IDENTITIES
+from launch.certs import ensure as ensure_certs
 from launch.kafka_broker import LocalKafkaBroker
 from tests.integration.processes import print_own_log_lines
+from tierflow.identity import Identity
 from tierflow.kafka_settings import KafkaSettings
 
 
@@ -44,6 +47,16 @@ def _shared_stack_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[No
     for value in getattr(request.node, "funcargs", {}).values():
         if callable(getattr(value, "processes", None)):
             print_own_log_lines(value.processes())
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA of the test run's own, the standard identities and workers w0-w3: what
+    ``tierflow certs --worker w0 ...`` makes."""
+    directory = tmp_path_factory.mktemp("certs")
+    workers = [Identity.worker(f"w{i}") for i in range(4)]
+    ensure_certs(directory, [*STANDARD_IDENTITIES, *workers])
+    return directory
 
 
 @pytest.fixture(scope="session")

@@ -123,8 +123,11 @@ class Load:
         prefix: str = "load",
         clients: int = 8,
         timeout: float = 120.0,
+        credentials=None,
     ) -> None:
+        """``credentials``: the clients' mTLS identity (``processes.operator``); None: plaintext."""
         self.target = target
+        self.credentials = credentials
         self.interval_s = 1.0 / rate_per_s
         self.tiers = itertools.cycle(tiers)
         self.prompt_tokens = prompt_tokens
@@ -156,6 +159,7 @@ class Load:
                 prompt_ids(n, seed=i),
                 max_new_tokens=self.max_new_tokens,
                 timeout=self.timeout,
+                credentials=self.credentials,
             )
             self._futures.append(future)
             self._request_ids[future] = request_id

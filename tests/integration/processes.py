@@ -139,7 +139,7 @@ def start_gateway(
     proc = ServiceProcess(f"gateway:{port}", args, tmp / f"gateway_{port}.log")
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, timeout=60, credentials=operator(tls_dir))
+        wait_serving(target, timeout=60, credentials=operator(tls_dir), server=Role.GATEWAY)
     except TimeoutError:
         proc.stop()
         raise

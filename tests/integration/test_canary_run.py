@@ -18,7 +18,6 @@ from launch.local_stack import CANARY, PRIMARY, LocalStack
 from launch.prometheus import PrometheusServer, scrape_config
 from ops.compare import FAIL, PASS, UNFAIR, UNSURE
 from ops.records import LogRecord, iter_kafka
-from tierflow.kafka_settings import KafkaSettings
 
 REPO = Path(__file__).resolve().parents[2]
 MISSED_TBT_S = 1e-6  # any two tokens are further apart than this
@@ -41,9 +40,7 @@ def run(tmp_path_factory):
         try:
             report = measure_canary(cfg, e, prometheus, Console(quiet=True))
             write_report(cfg, report, Console(quiet=True))
-            records = [
-                LogRecord.from_proto(m) for m in iter_kafka(KafkaSettings(bootstrap=e.kafka))
-            ]
+            records = [LogRecord.from_proto(m) for m in iter_kafka(e.operator_kafka())]
             yield cfg, report, records, prometheus
         finally:
             prometheus.stop()

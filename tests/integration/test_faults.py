@@ -1,8 +1,9 @@
 """The fault suite: real processes (Kafka, queue service, workers) on loopback, one fault each.
 
 Each case leaves no request lost and none run twice (``tests.integration.load``), and normal
-requests succeed afterwards. Bounded: a case runs tens of seconds. Assertions are orderings and
-generous ratios, never tight times: CI is two busy cores shared with Kafka's JVM.
+requests succeed afterwards. The services run as deployed: over mTLS, each with its identity.
+Bounded: a case runs tens of seconds. Assertions are orderings and generous ratios, never
+tight times: CI is two busy cores shared with Kafka's JVM.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.integration.load import (
     stream_until,
     worker_events,
 )
-from tests.integration.processes import start_queue_service, start_worker, stop_started
+from tests.integration.processes import operator, start_queue_service, start_worker, stop_started
 from tests.tiers import SERVICE_TIERS_TOML
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import loads_tiers
@@ -44,11 +45,13 @@ def started(request: pytest.FixtureRequest, tmp_path: Path):
     stop_started(request, procs)
 
 
-def first_success_after(target: str, since: float, limit_s: float):
+def first_success_after(target: str, since: float, limit_s: float, credentials):
     """Sends a short critical request, again while refused (UNAVAILABLE), until one completes;
     its outcome, and the seconds from ``since`` to its Done."""
     for attempt in range(1000):
-        outcome = run_request(target, "critical", f"after-{attempt}", prompt_ids(20, seed=attempt))
+        prompt = prompt_ids(20, seed=attempt)
+        request_id = f"after-{attempt}"
+        outcome = run_request(target, "critical", request_id, prompt, credentials=credentials)
         if outcome.done is not None or time.monotonic() - since > limit_s:
             return outcome, outcome.ended_at - since
         assert outcome.code is grpc.StatusCode.UNAVAILABLE, (outcome.code, outcome.details)
@@ -57,16 +60,18 @@ def first_success_after(target: str, since: float, limit_s: float):
 
 
 def test_broker_stopped_for_20_s_under_load_fails_fast_then_recovers(
-    tmp_path, tiers_file, started, own_broker, topic_prefix
+    tmp_path, tiers_file, started, own_broker, topic_prefix, certs
 ):
     settings = KafkaSettings(
         bootstrap=own_broker.bootstrap, topic_prefix=topic_prefix, group_id=f"{topic_prefix}q"
     )
-    qs, target = start_queue_service(tmp_path, settings, model="tiny-llama", tiers=tiers_file)
+    qs, target = start_queue_service(
+        tmp_path, settings, model="tiny-llama", tiers=tiers_file, tls_dir=certs
+    )
     started.append(qs)
-    worker = start_worker(tmp_path, target, "w1", model="tiny-llama", chunk_size=32)
+    worker = start_worker(tmp_path, target, "w1", model="tiny-llama", chunk_size=32, tls_dir=certs)
     started.append(worker)
-    load = Load(target, rate_per_s=1.0, prefix="broker").start()
+    load = Load(target, rate_per_s=1.0, prefix="broker", credentials=operator(certs)).start()
     time.sleep(5)
     port = own_broker.port
     own_broker.stop()
@@ -74,7 +79,7 @@ def test_broker_stopped_for_20_s_under_load_fails_fast_then_recovers(
     time.sleep(20)
     own_broker.start(data_dir=tmp_path / "kafka", port=port)
     up_at = time.monotonic()
-    first, recovery_s = first_success_after(target, up_at, limit_s=60)
+    first, recovery_s = first_success_after(target, up_at, 60, operator(certs))
     time.sleep(5)
     outcomes = load.stop()
     during = [o for o in outcomes if down_at + 3 < o.sent_at < up_at - 1]
@@ -99,20 +104,25 @@ def test_broker_stopped_for_20_s_under_load_fails_fast_then_recovers(
 
 
 @pytest.fixture
-def stack(tmp_path, kafka_settings, tiers_file, started):
-    """Services on the session's broker, started on demand."""
+def stack(tmp_path, kafka_settings, tiers_file, started, certs):
+    """Services on the session's broker, started on demand, over mTLS (the operator calls)."""
 
     class Stack:
+        credentials = operator(certs)
+
         def queue_service(self, **kw):
             proc, target = start_queue_service(
-                tmp_path, kafka_settings, model="bench-llama", tiers=tiers_file, **kw
-            )
+                tmp_path, kafka_settings, model="bench-llama", tiers=tiers_file, tls_dir=certs,
+                **kw,
+            )  # fmt: skip
             started.append(proc)
             return proc, target
 
         def worker(self, target: str, worker_id: str, **kw):
             kw.setdefault("chunk_size", 256)
-            proc = start_worker(tmp_path, target, worker_id, model="bench-llama", **kw)
+            proc = start_worker(
+                tmp_path, target, worker_id, model="bench-llama", tls_dir=certs, **kw
+            )
             started.append(proc)
             return proc
 
@@ -126,14 +136,19 @@ def stack(tmp_path, kafka_settings, tiers_file, started):
 def test_a_worker_killed_mid_request_under_load(stack, when):
     _, target = stack.queue_service()
     workers = [stack.worker(target, "w1"), stack.worker(target, "w2")]
-    load = Load(target, rate_per_s=0.3, prompt_tokens=(16, 48), prefix=f"kill-{when}").start()
+    load = Load(
+        target, rate_per_s=0.3, prompt_tokens=(16, 48), prefix=f"kill-{when}",
+        credentials=stack.credentials,
+    ).start()  # fmt: skip
     if when == "prefill":  # a long prompt: seconds of prefill on a CPU, progress per chunk
         prompt, params = prompt_ids(1500, seed=3), {"max_new_tokens": 2}
         until = lambda kinds: "progress" in kinds  # noqa: E731
     else:  # many tokens: killed once some reached the client, long before the last is made
         prompt, params = prompt_ids(40, seed=4), {"max_new_tokens": 240}
         until = lambda kinds: kinds.count("token") >= 5  # noqa: E731
-    future, reached = stream_until(target, "standard", "victim", prompt, until=until, **params)
+    future, reached = stream_until(
+        target, "standard", "victim", prompt, until=until, credentials=stack.credentials, **params
+    )
     assert reached.wait(180)
     holder_of(workers, "victim").kill()  # SIGKILL
     outcomes = load.stop()
@@ -145,7 +160,9 @@ def test_a_worker_killed_mid_request_under_load(stack, when):
     survivor = next(w for w in workers if w.alive())
     # Its log line may land a moment after the client's Done (CI read the log too early once).
     survivor.wait_for_log("finished", timeout=30, request_id="victim")
-    normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=5))
+    normal = run_request(
+        target, "critical", "normal-after", prompt_ids(20, seed=5), credentials=stack.credentials
+    )
     assert normal.done is not None
 
 
@@ -162,12 +179,16 @@ def test_a_worker_stopped_past_the_heartbeat_timeout(stack):
         prompt_ids(1500, seed=6),
         until=lambda kinds: "progress" in kinds,
         max_new_tokens=2,
+        credentials=stack.credentials,
     )
     assert reached.wait(120)
     frozen = holder_of(workers, "stalled")
     os.kill(frozen.proc.pid, signal.SIGSTOP)
     try:
-        load = Load(target, rate_per_s=0.3, prompt_tokens=(16, 48), prefix="sigstop").start()
+        load = Load(
+            target, rate_per_s=0.3, prompt_tokens=(16, 48), prefix="sigstop",
+            credentials=stack.credentials,
+        ).start()  # fmt: skip
         time.sleep(8)  # well past the heartbeat timeout: detached, its request runs elsewhere
         outcomes = load.stop()
         stalled = future.result(timeout=300)
@@ -183,17 +204,21 @@ def test_a_worker_stopped_past_the_heartbeat_timeout(stack):
     while sum(e.get("event") == "attached" for e in frozen.log_events()) < 2:
         assert time.monotonic() < deadline, frozen.log_tail()
         time.sleep(0.2)
-    normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=7))
+    normal = run_request(
+        target, "critical", "normal-after", prompt_ids(20, seed=7), credentials=stack.credentials
+    )
     assert normal.done is not None
 
 
 def test_the_queue_service_killed_with_a_backlog_runs_critical_first_after_restart(
-    tmp_path, kafka_settings, tiers_file, started
+    tmp_path, kafka_settings, tiers_file, started, certs
 ):
+    credentials = operator(certs)
+
     def queue_service():
         proc, target = start_queue_service(
             tmp_path, kafka_settings, model="tiny-llama", tiers=tiers_file,
-            extra=["--no-worker-timeout", "600"],
+            extra=["--no-worker-timeout", "600"], tls_dir=certs,
         )  # fmt: skip
         started.append(proc)
         return proc, target
@@ -202,7 +227,14 @@ def test_the_queue_service_killed_with_a_backlog_runs_critical_first_after_resta
     backlog = [*(("batch", f"batch-{i}") for i in range(4)), ("standard", "standard-0")]
     backlog.append(("critical", "critical-0"))  # the most urgent, sent last
     streams = [
-        stream_until(target, tier, rid, prompt_ids(30, seed=i), until=lambda k: "queued" in k)
+        stream_until(
+            target,
+            tier,
+            rid,
+            prompt_ids(30, seed=i),
+            until=lambda k: "queued" in k,
+            credentials=credentials,
+        )
         for i, (tier, rid) in enumerate(backlog)
     ]
     for _, queued in streams:
@@ -216,7 +248,7 @@ def test_the_queue_service_killed_with_a_backlog_runs_critical_first_after_resta
     # request's own deadline (on time, EDF may rightly put it before a late critical one).
     standard_slo_s = loads_tiers(SERVICE_TIERS_TOML).get("standard").ttft_slo_s
     time.sleep(max(0.0, queued_at + standard_slo_s + 0.5 - time.monotonic()))
-    worker = start_worker(tmp_path, target, "w1", model="tiny-llama", chunk_size=32)
+    worker = start_worker(tmp_path, target, "w1", model="tiny-llama", chunk_size=32, tls_dir=certs)
     started.append(worker)
     deadline = time.monotonic() + 120
     ids = [rid for _, rid in backlog]
@@ -228,5 +260,7 @@ def test_the_queue_service_killed_with_a_backlog_runs_critical_first_after_resta
     order = [e["request_id"] for e in worker.log_events() if e.get("event") == "assigned"]
     assert order[0] == "critical-0", order  # critical first after the restart
     assert order.index("standard-0") < min(order.index(f"batch-{i}") for i in range(4)), order
-    normal = run_request(target, "critical", "normal-after", prompt_ids(20, seed=9))
+    normal = run_request(
+        target, "critical", "normal-after", prompt_ids(20, seed=9), credentials=credentials
+    )
     assert normal.done is not None

@@ -1,6 +1,6 @@
 """Nothing inside trusts the network: the queue service over mTLS, with a real broker, a real
 queue service process and real worker processes (tiny-llama), each holding a certificate of a
-CA made for this module by ``launch.certs`` (what ``tierflow certs`` runs).
+CA of the test run's own (the ``certs`` fixture: what ``tierflow certs`` makes).
 
 What a peer may do follows from the identity in its certificate (``queue_service/trust.py``):
 the client API takes the tier and key headers from the edge's identities and the operator only,
@@ -20,9 +20,10 @@ import grpc
 import pytest
 from envoy.service.auth.v3 import external_auth_pb2, external_auth_pb2_grpc
 from google.rpc import code_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.demo_keys import DEMO_KEYS
-from launch.certs import STANDARD, ensure
+from launch.certs import ensure
 from launch.processes import REPO
 from tests.integration.processes import (
     operator,
@@ -39,13 +40,6 @@ from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
 MODEL = "tiny-llama"
 KEYS_FILE = REPO / "config" / "keys.toml"  # the shipped demo keys
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("certs")
-    ensure(directory, [*STANDARD, Identity.worker("w0"), Identity.worker("w1")])
-    return directory
 
 
 @pytest.fixture
@@ -225,6 +219,28 @@ def test_only_the_edge_may_ask_the_gateway_about_a_key(request, tmp_path, certs)
         "edge": code_pb2.OK,  # the key is valid
         "operator": grpc.StatusCode.PERMISSION_DENIED,
         "worker/w0": grpc.StatusCode.PERMISSION_DENIED,
+    }
+
+
+def test_a_client_takes_only_the_service_it_means_for_that_service(request, tmp_path, certs):
+    """Every service's certificate is of the same CA and names 127.0.0.1: a client meaning
+    the queue service must still refuse the gateway's certificate (``open_channel`` pins the
+    role), or whoever runs the gateway could pose as the queue service."""
+    gateway, target = start_gateway(tmp_path, keys=KEYS_FILE, tls_dir=certs)
+    answers = {}
+    try:
+        for meant in (Role.GATEWAY, Role.QUEUE_SERVICE):
+            with open_channel(target, operator(certs), server=meant) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                try:
+                    answers[meant] = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                except grpc.RpcError as err:
+                    answers[meant] = err.code()
+    finally:
+        stop_started(request, [gateway])
+    assert answers == {
+        Role.GATEWAY: health_pb2.HealthCheckResponse.SERVING,
+        Role.QUEUE_SERVICE: grpc.StatusCode.UNAVAILABLE,  # the handshake failed
     }
 
 

@@ -62,10 +62,10 @@ def send_denied(envoy: str) -> None:
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def request_log(kafka: str, expected: int, timeout_s: float = 30.0) -> list[LogRecord]:
+def request_log(kafka: KafkaSettings, expected: int, timeout_s: float = 30.0) -> list[LogRecord]:
     deadline = time.monotonic() + timeout_s
     while True:
-        records = [LogRecord.from_proto(m) for m in iter_kafka(KafkaSettings(bootstrap=kafka))]
+        records = [LogRecord.from_proto(m) for m in iter_kafka(kafka)]
         if len(records) >= expected or time.monotonic() > deadline:
             return records
         time.sleep(0.5)
@@ -93,7 +93,7 @@ def test_canary_weight_moves_requests_and_the_request_log_and_metrics_count_them
 
     # The request log: one record per request, on the side the weight chose.
     total = sum(FIRST.values()) + sum(THEN.values())
-    records = request_log(e.kafka, total)
+    records = request_log(e.operator_kafka(), total)  # as the operator, over mTLS
     by_side = Counter((r.deployment, r.tier) for r in records)
     assert by_side == Counter(
         {("primary", t): n for t, n in FIRST.items()} | {("canary", t): n for t, n in THEN.items()}

@@ -32,6 +32,7 @@ from gateway.demo_keys import DEMO_KEYS
 from launch.processes import ServiceProcess, free_port
 from tests.integration.json_http import post_generate
 from tests.integration.processes import (
+    operator,
     start_edge,
     start_gateway,
     start_queue_service,
@@ -39,6 +40,7 @@ from tests.integration.processes import (
 )
 from tests.integration.test_edge import KEYS_FILE, TIERS, demo_scoped, ids, kinds
 from tierflow.client import CHANNEL_OPTIONS, AsyncTierflowClient, TierflowClient
+from tierflow.identity import Role, open_channel, pinned
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
 
@@ -58,7 +60,12 @@ class Stack:
     queue_service: ServiceProcess
     worker: ServiceProcess
     envoy_port: int
+    certs: Path  # every hop is mTLS; a direct caller presents the operator's identity
     restarts: int = 0
+
+    @property
+    def operator(self) -> grpc.ChannelCredentials:
+        return operator(self.certs)
 
     @property
     def edge(self) -> str:
@@ -74,8 +81,9 @@ class Stack:
         tmp = self.tmp / f"restart-{self.restarts}"
         tmp.mkdir()
         self.queue_service, _ = start_queue_service(
-            tmp, self.settings, model=MODEL, tiers=self.tiers, port=self.queue_port
-        )
+            tmp, self.settings, model=MODEL, tiers=self.tiers, port=self.queue_port,
+            tls_dir=self.certs,
+        )  # fmt: skip
 
     def finished_on_worker(self, name: str) -> int:
         """How many times the worker finished the request (its log line may follow the client's
@@ -89,7 +97,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, kafka):
+def stack(tmp_path_factory, kafka, certs):
     tmp = tmp_path_factory.mktemp("recovery")
     prefix = f"t{uuid.uuid4().hex[:12]}."
     settings = KafkaSettings(
@@ -102,16 +110,18 @@ def stack(tmp_path_factory, kafka):
     try:
         queue_port = free_port()
         qs, qs_target = start_queue_service(
-            tmp, settings, model=MODEL, tiers=tiers, port=queue_port
+            tmp, settings, model=MODEL, tiers=tiers, port=queue_port, tls_dir=certs
         )
         started.append(qs)
-        worker = start_worker(tmp, qs_target, "w1", model=MODEL, chunk_size=256)
+        worker = start_worker(tmp, qs_target, "w1", model=MODEL, chunk_size=256, tls_dir=certs)
         started.append(worker)
-        gateway, gateway_target = start_gateway(tmp, keys=KEYS_FILE, tiers=tiers)
+        gateway, gateway_target = start_gateway(tmp, keys=KEYS_FILE, tiers=tiers, tls_dir=certs)
         started.append(gateway)
-        envoy, port, _ = start_edge(tmp, queue_service=qs_target, gateway=gateway_target)
+        envoy, port, _ = start_edge(
+            tmp, queue_service=qs_target, gateway=gateway_target, tls_dir=certs
+        )
         started.append(envoy)
-        the_stack = Stack(tmp, settings, tiers, queue_port, qs, worker, port)
+        the_stack = Stack(tmp, settings, tiers, queue_port, qs, worker, port, certs)
         yield the_stack
     finally:
         if the_stack is not None:
@@ -243,7 +253,7 @@ def test_stopped_mid_stream_clients_are_told_unavailable_and_the_async_client_re
     )
 
     def raw_client() -> None:
-        with grpc.insecure_channel(stack.direct, options=own_connection()) as channel:
+        with open_channel(stack.direct, stack.operator, own_connection()) as channel:
             call = serving_pb2_grpc.TierflowStub(channel).Generate(
                 request, metadata=[("x-tierflow-tier", "critical")], timeout=TIMEOUT_S
             )
@@ -262,7 +272,9 @@ def test_stopped_mid_stream_clients_are_told_unavailable_and_the_async_client_re
     stack.worker.wait_for_log("assigned", request_id=raw_id, timeout=60)
 
     async def async_client() -> None:
-        client = AsyncTierflowClient(stack.direct, reattach_s=REATTACH_S)
+        client = AsyncTierflowClient(
+            stack.direct, credentials=stack.operator, reattach_s=REATTACH_S
+        )
         try:
             call = client.generate(
                 ids(SHORT, seed=4), tier="batch", max_new_tokens=2, timeout=TIMEOUT_S
@@ -298,12 +310,13 @@ def test_stopped_mid_stream_clients_are_told_unavailable_and_the_async_client_re
     assert stack.finished_on_worker(raw_id) == 1
     ready = stack.queue_service.wait_for_log("queue service ready")
     if finished["timestamp"] > ready["timestamp"]:  # ran on the restarted service: it knows
-        status = asyncio.run(get_request(stack.direct, raw_id))
+        status = asyncio.run(get_request(stack.direct, stack.operator, raw_id))
         assert status.state == serving_pb2.RequestStatus.DONE
 
 
-async def get_request(target: str, request_id: str) -> serving_pb2.RequestStatus:
-    async with grpc.aio.insecure_channel(target, options=own_connection()) as channel:
+async def get_request(target: str, credentials, request_id: str) -> serving_pb2.RequestStatus:
+    options = pinned(own_connection(), Role.QUEUE_SERVICE)
+    async with grpc.aio.secure_channel(target, credentials, options=options) as channel:
         return await serving_pb2_grpc.TierflowStub(channel).GetRequest(
             serving_pb2.GetRequestRequest(request_id=request_id), timeout=60, wait_for_ready=True
         )

@@ -83,3 +83,21 @@ def test_configs_only_use_keys_kafka_python_knows() -> None:
     assert set(settings.producer_config()) <= set(KafkaProducer.DEFAULT_CONFIG)
     assert set(settings.consumer_config()) <= set(KafkaConsumer.DEFAULT_CONFIG)
     assert set(settings.admin_config()) <= set(KafkaAdminClient.DEFAULT_CONFIG)
+    tls = KafkaSettings(tls_dir="/certs", tls_identity="operator")
+    assert set(tls.producer_config()) <= set(KafkaProducer.DEFAULT_CONFIG)
+    assert set(tls.consumer_config()) <= set(KafkaConsumer.DEFAULT_CONFIG)
+    assert set(tls.admin_config()) <= set(KafkaAdminClient.DEFAULT_CONFIG)
+
+
+def test_a_tls_dir_makes_every_client_present_its_identity_over_mtls() -> None:
+    assert KafkaSettings().admin_config()["security_protocol"] == "PLAINTEXT"
+    env = {"TIERFLOW_KAFKA_TLS_DIR": "/certs"}
+    settings = KafkaSettings.from_env(env, tls_identity="queue-service")
+    for config in (settings.producer_config(), settings.consumer_config()):
+        assert config["security_protocol"] == "SSL"
+        assert config["ssl_cafile"] == "/certs/ca.pem"
+        assert config["ssl_certfile"] == "/certs/queue-service.pem"
+        assert config["ssl_keyfile"] == "/certs/queue-service.key"
+        assert config["ssl_check_hostname"] is True
+    with pytest.raises(ValueError, match="tls_identity"):
+        KafkaSettings(tls_dir="/certs")
