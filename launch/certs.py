@@ -3,6 +3,7 @@ service's identity from it (``tierflow/identity.py`` says who is who and who acc
 
     tierflow certs                      # the CA and the standard identities, in the cache
     tierflow certs --worker w0 --worker w1
+    python -m launch.certs --dir /ca --export --worker w0    # the same, where torch is not
 
 The CA's key stays in the directory it was made in, next to the identities it issued. That is
 a development and single-host CA, cached outside the clone like the Python environment; a
@@ -19,10 +20,12 @@ the CA's key or another identity's.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import fcntl
 import ipaddress
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from tierflow.identity import CA_FILE, Identity, Role
 
 CA_KEY_FILE = "ca.key"
+KAFKA_KEYSTORE = "keystore.pem"  # the broker's key and certificate, as Kafka's PEM keystore
 CA_NAME = "tierflow local CA"
 CA_DAYS = 3650
 LEAF_DAYS = 365
@@ -146,6 +150,11 @@ def export(directory: Path, identity: Identity) -> Path:
     if identity.role is Role.OPENAI_API:  # it trusts the edge's certificate itself (no key)
         edge = Identity(Role.EDGE).file_stem
         _write(own / f"{edge}.pem", (directory / f"{edge}.pem").read_bytes())
+    if identity.role is Role.KAFKA:  # a PEM keystore is one file: the key, then the chain
+        keystore = (directory / f"{stem}.key").read_bytes() + (
+            directory / f"{stem}.pem"
+        ).read_bytes()
+        _write(own / KAFKA_KEYSTORE, keystore, 0o600)
     return own
 
 
@@ -249,3 +258,43 @@ def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", type=Path, help="default: certs/ in the cache (~/.cache/tierflow)")
+    parser.add_argument(
+        "--worker", action="append", default=[], metavar="ID",
+        help="also a worker's identity, bound to its worker id (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--export", action="store_true",
+        help="also a directory per identity, <dir>/by-identity/<name>, holding only its own key "
+        "(what each container mounts in docker-compose.yml)",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tierflow certs``: ensures the CA and the identities, prints each one's state."""
+    directory = args.dir or default_dir()
+    try:
+        identities = [*STANDARD, *(Identity.worker(w) for w in args.worker)]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    issued = ensure(directory, identities)
+    for identity in identities:
+        state = "issued" if identity in issued else "kept"
+        print(f"{state:6} {identity.common_name:24} {directory / identity.file_stem}.pem")
+        if args.export:
+            print(f"{'':6} {'':24} {export(directory, identity)}/")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.certs", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

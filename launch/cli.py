@@ -626,32 +626,13 @@ def _add_down(sub) -> None:
 
 
 def _add_certs(sub) -> None:
+    from launch import certs
+
     c = sub.add_parser(
         "certs", help="create the local CA and the services' identities for mTLS (once)"
     )
-    c.add_argument("--dir", type=Path, help="default: certs/ in the cache (~/.cache/tierflow)")
-    c.add_argument(
-        "--worker", action="append", default=[], metavar="ID",
-        help="also a worker's identity, bound to its worker id (repeatable)",
-    )  # fmt: skip
-    c.set_defaults(func=_certs)
-
-
-def _certs(args: argparse.Namespace) -> int:
-    from launch.certs import STANDARD, default_dir, ensure
-    from tierflow.identity import Identity
-
-    directory = args.dir or default_dir()
-    try:
-        identities = [*STANDARD, *(Identity.worker(w) for w in args.worker)]
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    issued = ensure(directory, identities)
-    for identity in identities:
-        state = "issued" if identity in issued else "kept"
-        print(f"{state:6} {identity.common_name:24} {directory / identity.file_stem}.pem")
-    return 0
+    certs.add_arguments(c)
+    c.set_defaults(func=certs.run)
 
 
 def _add_generate(sub) -> None:

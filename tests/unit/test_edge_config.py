@@ -255,6 +255,28 @@ def test_render_with_identities_puts_mtls_on_the_queue_service_and_gateway_clust
     )
 
 
+def test_the_secured_config_is_the_shipped_one_with_mtls_to_every_upstream(tmp_path):
+    """What compose's Envoy runs (``python -m gateway.envoy_config``): addresses, routes and
+    filters as shipped; every upstream cluster over mTLS as the edge."""
+    out = tmp_path / "envoy.yaml"
+    command = ["-m", "gateway.envoy_config", "--tls-dir", "/etc/envoy/certs", "--out", str(out)]
+    done = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    secured = yaml.safe_load(out.read_text())
+    shipped = yaml.safe_load(ENVOY_YAML.read_text())
+    sockets = {
+        name: cluster.pop("transport_socket")["typed_config"]
+        for name, cluster in clusters_of(secured).items()
+    }
+    assert secured == shipped  # nothing else changed
+    assert {name: tls["sni"] for name, tls in sockets.items()} == {
+        "queue_service": "queue-service", "queue_service_canary": "queue-service",
+        "gateway": "gateway", "openai_api": "openai-api",
+    }  # fmt: skip
+    (cert,) = sockets["gateway"]["common_tls_context"]["tls_certificates"]
+    assert cert["private_key"]["filename"] == "/etc/envoy/certs/edge.key"
+
+
 def test_render_canary_and_rate_limits(descriptor):
     config = yaml.safe_load(
         render(
@@ -358,8 +380,13 @@ def test_docker_compose_config_is_valid():
 def test_compose_mounts_what_envoy_yaml_expects():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    mounts = services["envoy"]["volumes"]
-    assert "./envoy/envoy.yaml:/etc/envoy/envoy.yaml:ro" in mounts
+    mounts = [m for m in services["envoy"]["volumes"] if isinstance(m, str)]
+    # Envoy runs envoy/envoy.yaml as rendered with mTLS by the envoy-config step.
+    assert "envoy-config:/etc/envoy/config:ro" in mounts
+    assert services["envoy"]["command"][:3] == ["envoy", "-c", "/etc/envoy/config/envoy.yaml"]
+    render = services["envoy-config"]
+    assert "./envoy/envoy.yaml:/etc/tierflow-envoy/envoy.yaml:ro" in render["volumes"]
+    assert render["command"][render["command"].index("--tls-dir") + 1] == "/etc/envoy/certs"
     descriptor_dir = str(Path(SHIPPED_DESCRIPTOR).parent)
     assert any(m.split(":")[1] == descriptor_dir for m in mounts)
     assert "/descriptors/tierflow.pb" in services["envoy-descriptors"]["command"]
@@ -372,3 +399,45 @@ def test_compose_mounts_what_envoy_yaml_expects():
     gpu = services["worker-gpu0"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert services["envoy"]["depends_on"]["gateway"]["condition"] == "service_healthy"
+
+
+def identity_mounts(service: dict) -> list[tuple[str, str]]:
+    """(subpath, target) of each mount of the ``ca`` volume into ``service``."""
+    return [
+        (m["volume"]["subpath"], m["target"])
+        for m in service.get("volumes", [])
+        if isinstance(m, dict) and m.get("source") == "ca"
+    ]
+
+
+def test_compose_gives_each_container_its_own_identity_and_nothing_runs_plaintext():
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    own = {
+        "queue-service": "queue-service", "queue-service-canary": "queue-service",
+        "gateway": "gateway", "openai-api": "openai-api", "envoy": "edge", "kafka": "kafka",
+        "kafka-acls": "kafka", "worker-gpu0": "worker-worker-gpu0",
+        "worker-gpu1": "worker-worker-gpu1", "worker-canary": "worker-worker-canary",
+    }  # fmt: skip
+    for name, stem in own.items():
+        mounts = identity_mounts(services[name])
+        assert [subpath for subpath, _ in mounts] == [f"by-identity/{stem}"], name
+        assert all(m["read_only"] for m in services[name]["volumes"] if isinstance(m, dict))
+    # Only the certs step mounts the CA (its key) whole.
+    whole = [n for n, s in services.items() if "ca:/ca" in s.get("volumes", [])]
+    assert whole == ["certs"]
+    for name in ("queue-service", "queue-service-canary", "gateway", "openai-api", "worker-gpu0"):
+        command = services[name]["command"]
+        assert "--plaintext" not in command and "--tls-dir" in command, name
+    assert services["queue-service"]["environment"]["TIERFLOW_KAFKA_TLS_DIR"] == "/certs"
+    kafka = services["kafka"]["environment"]
+    assert set(kafka["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")) == {
+        "CONTROLLER:SSL", "BROKER:SSL"
+    }  # fmt: skip
+    assert (
+        kafka["KAFKA_SSL_CLIENT_AUTH"] == "required" and kafka["KAFKA_SUPER_USERS"] == "User:kafka"
+    )
+    assert "SSL://" not in kafka["KAFKA_LISTENERS"]  # see the compose file: the image's script
+    # The workers' identities are issued by the certs step.
+    certs_command = " ".join(services["certs"]["command"])
+    for worker in ("worker-gpu0", "worker-gpu1", "worker-canary"):
+        assert f"--worker {worker}" in certs_command

@@ -59,6 +59,7 @@ def test_service_image_has_everything_the_service_processes_import():
     script = """
 import json, sys, importlib.metadata as md
 import queue_service.server, gateway.server, openai_api.server, launch.protogen
+import launch.certs, launch.kafka_acls, gateway.envoy_config  # compose's init steps
 from tierflow.catalogue import load_model_info
 load_model_info("tiny-llama"); load_model_info("smollm2")
 dists = md.packages_distributions()
@@ -84,7 +85,7 @@ def test_compose_runs_each_process_in_its_image():
     assert {"service", "worker"} <= set(stages)
     services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
     targets = {name: svc["build"]["target"] for name, svc in services.items() if "build" in svc}
-    module = {name: services[name]["command"][2] for name in targets}
+    module = {name: python_module(services[name]["command"]) for name in targets}
     for name, target in targets.items():
         expected = "worker" if module[name] == "worker.process" else "service"
         assert target == expected, name
@@ -93,5 +94,14 @@ def test_compose_runs_each_process_in_its_image():
         "gateway.server",
         "openai_api.server",
         "launch.protogen",
+        "launch.certs",
+        "launch.kafka_acls",
+        "gateway.envoy_config",
         "worker.process",
     }
+
+
+def python_module(command: list[str]) -> str:
+    """The module a compose command runs with ``python -m`` (a list, or one shell line)."""
+    words = " ".join(command).split()
+    return words[words.index("-m") + 1]
