@@ -3,11 +3,12 @@ the increment over plaintext in one run.
 
 The same local stack (Kafka, the queue service, one worker, the gateway, the OpenAI service
 and Envoy; ``launch.local_stack``) is started in turn with every hop into the queue service
-and the gateway over mTLS (the default) and in plaintext. Rounds alternate which goes first.
+and the gateway, and every Kafka client, over mTLS (the default; the broker enforcing its ACLs)
+and all in plaintext. Rounds alternate which goes first.
 Each start sends a few warm-up requests, then ``requests`` idle critical requests one at a
 time through Envoy with the demo critical key: a one-token answer to a short prompt, timed
 from send to the first token at the client. What differs between the two is only TLS on the
-hops behind Envoy (the client reaches Envoy in plaintext either way).
+hops behind Envoy and to Kafka (the client reaches Envoy in plaintext either way).
 
 Reported: n, p50 and p99 of each, and the increment (mTLS - plaintext) at p50 and p99 with
 bootstrap 95 % intervals over requests (``scipy.stats.bootstrap``).
