@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -28,7 +29,15 @@ from tierflow.identity import Role, open_channel
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+# PR_SET_PDEATHSIG is set by util-linux's setpriv, which then execs the service (same pid), not
+# by a Python preexec_fn: a preexec_fn makes subprocess use a plain fork(), which runs gRPC's
+# atfork handlers, and in a launcher that holds gRPC channels the prefork handler once waited
+# forever (`tierflow bench --tls`, the main thread stuck in fork()). Without one, subprocess
+# spawns with vfork, which runs no atfork handlers.
+_SETPRIV = shutil.which("setpriv")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec: no setpriv only
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -56,13 +65,17 @@ class ServiceProcess:
         self.proc = self._popen()
 
     def _popen(self) -> subprocess.Popen:
+        if _SETPRIV is not None:
+            command, preexec = [_SETPRIV, "--pdeathsig", "TERM", "--", *self.args], None
+        else:
+            command, preexec = self.args, _die_with_parent
         return subprocess.Popen(
-            self.args,
+            command,
             cwd=REPO,
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            preexec_fn=preexec,
         )
 
     def respawn(self) -> None:
