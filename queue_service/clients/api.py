@@ -283,12 +283,19 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
                 (("retry-after", str(refusal.retry_after_s)),),
             )
         if placement.downgraded:
+            judged = placement.verdicts[0]
             log.info(
                 "downgraded at capacity",
                 request_id=record.request_id,
                 requested_tier=record.tier,
                 served_tier=placement.served_tier,
-                predicted_ttft_s=round(placement.verdicts[0].predicted_ttft_s, 3),
+                predicted_ttft_s=round(judged.predicted_ttft_s, 3),
+                # The prediction's parts: switch + (1 + margin) * (wait + own) + error.
+                **{
+                    f"{part}_s": round(getattr(judged, f"{part}_s"), 3)
+                    for part in ("switch", "wait", "own", "error")
+                },
+                margin=round(judged.margin, 3),
             )
             record.requested_tier = record.tier
             record.tier = placement.served_tier
