@@ -5,8 +5,9 @@ that no ACL allows. A principal is the common name of the client's certificate, 
 identities of ``tierflow certs`` are the principals:
 
 * ``queue-service``: everything on its deployments' topics (the tier queues, replies, tier
-  loads; it creates them) and in its consumer groups. It writes the request log but may not
-  read it: a DENY, which Kafka weighs above any ALLOW.
+  loads; it creates them) and in its consumer groups. It writes the request log, and may
+  neither read it nor delete it, alter it or change its retention: DENYs, which Kafka weighs
+  above any ALLOW (its prefix's ALLOW covers the request log too).
 * ``operator`` (the ops tools: audit, compare, request-log dumps, the canary's verdict): reads
   and describes the request log; nothing on the tier topics, which hold tenants' prompts.
 * anyone else (the edge, the gateway, workers, a certificate of another CA): nothing. Workers
@@ -40,6 +41,11 @@ from tierflow.kafka_settings import KafkaSettings
 
 QUEUE_SERVICE = f"User:{Identity(Role.QUEUE_SERVICE).common_name}"
 OPERATOR = f"User:{Identity(Role.OPERATOR).common_name}"
+# What the queue service may not do to the request log, the audit's record: read tenants'
+# history, or erase it (delete the topic, shorten its retention).
+REQUEST_LOG_DENIED = (
+    ACLOperation.READ, ACLOperation.DELETE, ACLOperation.ALTER, ACLOperation.ALTER_CONFIGS,
+)  # fmt: skip
 
 
 def acls(topic_prefixes: Iterable[str], request_log: str, group_prefix: str) -> list[ACL]:
@@ -62,7 +68,10 @@ def acls(topic_prefixes: Iterable[str], request_log: str, group_prefix: str) -> 
         *granted,
         rule(QUEUE_SERVICE, ACLOperation.ALL, allow, group, group_prefix, prefixed),
         rule(QUEUE_SERVICE, ACLOperation.WRITE, allow, topic, request_log, literal),
-        rule(QUEUE_SERVICE, ACLOperation.READ, deny, topic, request_log, literal),
+        *(
+            rule(QUEUE_SERVICE, operation, deny, topic, request_log, literal)
+            for operation in REQUEST_LOG_DENIED
+        ),
         rule(OPERATOR, ACLOperation.READ, allow, topic, request_log, literal),
         rule(OPERATOR, ACLOperation.DESCRIBE, allow, topic, request_log, literal),
     ]

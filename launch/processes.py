@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -34,7 +35,14 @@ REPO = Path(__file__).resolve().parent.parent
 # atfork handlers, and in a launcher that holds gRPC channels the prefork handler once waited
 # forever (`tierflow bench --tls`, the main thread stuck in fork()). Without one, subprocess
 # spawns with vfork, which runs no atfork handlers.
-_SETPRIV = shutil.which("setpriv")
+@functools.cache
+def _setpriv() -> str | None:
+    """util-linux's setpriv when it has --pdeathsig (2.33 and later), else None."""
+    path = shutil.which("setpriv")
+    if path is None:
+        return None
+    usage = subprocess.run([path, "--help"], capture_output=True, text=True, check=False)
+    return path if "--pdeathsig" in usage.stdout else None
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec: no setpriv only
@@ -65,8 +73,9 @@ class ServiceProcess:
         self.proc = self._popen()
 
     def _popen(self) -> subprocess.Popen:
-        if _SETPRIV is not None:
-            command, preexec = [_SETPRIV, "--pdeathsig", "TERM", "--", *self.args], None
+        setpriv = _setpriv()
+        if setpriv is not None:
+            command, preexec = [setpriv, "--pdeathsig", "TERM", "--", *self.args], None
         else:
             command, preexec = self.args, _die_with_parent
         return subprocess.Popen(

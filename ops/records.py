@@ -27,6 +27,7 @@ from google.protobuf import json_format
 
 from bench.traces import TraceOptions, assign_tier
 from queue_service.core.finished import tbt_missed
+from tierflow.identity import Identity, Role
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.v1 import queue_pb2
 
@@ -239,7 +240,8 @@ def read_source(
     """``kafka`` (the request log), a dump (``*.jsonl`` of FinishedRequest records, told apart
     by their ``tier`` + ``status`` keys) or a trace file."""
     if source == "kafka":
-        settings = settings or KafkaSettings.from_env()
+        operator = Identity(Role.OPERATOR).file_stem
+        settings = settings or KafkaSettings.from_env(tls_identity=operator)
         window = {"since_s": since_s, "until_s": until_s, "progress": progress}
         return (LogRecord.from_proto(m) for m in iter_kafka(settings, **window))
     path = Path(source)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from queue_service.scheduler import SchedulerConfig
 from tierflow.catalogue import DEFAULT_MODEL
+from tierflow.identity import Identity, Role
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.metrics import DEFAULT_DEPLOYMENT, METRICS_LOOPBACK
 
@@ -24,7 +25,11 @@ class QueueServiceConfig:
     policy: str = "flowprefill"
     tiers_file: Path | None = None
     predictor_file: Path | None = None
-    kafka: KafkaSettings = field(default_factory=KafkaSettings.from_env)
+    kafka: KafkaSettings = field(
+        default_factory=lambda: KafkaSettings.from_env(
+            tls_identity=Identity(Role.QUEUE_SERVICE).file_stem
+        )
+    )
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     heartbeat_timeout_s: float = 3.0
     # A request that waits this long with no worker attached ends with UNAVAILABLE, not run

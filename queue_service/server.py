@@ -234,9 +234,16 @@ class QueueService:
             policy=self.config.policy,
             model=self.config.model,
             kafka=self.config.kafka.bootstrap,
+            kafka_tls=bool(self.config.kafka.tls_dir),
             deployment=self.config.deployment,
             metrics_port=endpoint.port if endpoint else None,
         )
+        if not self.config.kafka.tls_dir:
+            log.warning(
+                "kafka plaintext: anyone who reaches the broker reads every prompt on the tier "
+                "topics (development only; give --kafka-tls-dir for mTLS and the broker's ACLs)",
+                kafka=self.config.kafka.bootstrap,
+            )
         await stopping.wait()
         readiness.cancel()
         await self.health.enter_graceful_shutdown()

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import (
     GroupAuthorizationFailedError,
     KafkaTimeoutError,
@@ -124,6 +124,12 @@ def test_the_queue_service_serves_through_a_broker_that_requires_mtls(served, se
     assert read(served, tier_topic(secure_kafka)) >= 1
     with pytest.raises(TopicAuthorizationFailedError):  # it writes the request log, never reads
         read(served, served.request_log_topic)
+    admin = KafkaAdminClient(**served.admin_config())
+    try:  # ...nor erases it
+        with pytest.raises(TopicAuthorizationFailedError):
+            admin.delete_topics([served.request_log_topic], timeout_ms=4000)
+    finally:
+        admin.close()
 
 
 def test_the_operator_reads_the_request_log_and_nothing_else(served, secure_kafka, certs):

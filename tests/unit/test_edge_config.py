@@ -428,7 +428,11 @@ def test_compose_gives_each_container_its_own_identity_and_nothing_runs_plaintex
     for name in ("queue-service", "queue-service-canary", "gateway", "openai-api", "worker-gpu0"):
         command = services[name]["command"]
         assert "--plaintext" not in command and "--tls-dir" in command, name
-    assert services["queue-service"]["environment"]["TIERFLOW_KAFKA_TLS_DIR"] == "/certs"
+    for name in ("queue-service", "queue-service-canary"):  # a block of its own replaces all
+        assert services[name]["environment"]["TIERFLOW_KAFKA_TLS_DIR"] == "/certs", name
+    # Every container with an identity starts after the step that makes it.
+    for name in own:
+        assert first_needs(services, name, "certs"), name
     kafka = services["kafka"]["environment"]
     assert set(kafka["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(",")) == {
         "CONTROLLER:SSL", "BROKER:SSL"
@@ -441,3 +445,9 @@ def test_compose_gives_each_container_its_own_identity_and_nothing_runs_plaintex
     certs_command = " ".join(services["certs"]["command"])
     for worker in ("worker-gpu0", "worker-gpu1", "worker-canary"):
         assert f"--worker {worker}" in certs_command
+
+
+def first_needs(services: dict, name: str, step: str) -> bool:
+    """``name`` starts after ``step`` (directly or through what it depends on)."""
+    needs = services[name].get("depends_on", {})
+    return step in needs or any(first_needs(services, n, step) for n in needs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kafka.admin import ACLOperation, ACLPermissionType, ACLResourcePatternType, ResourceType
 
-from launch.kafka_acls import OPERATOR, QUEUE_SERVICE, acls
+from launch.kafka_acls import OPERATOR, QUEUE_SERVICE, REQUEST_LOG_DENIED, acls
 
 
 def rules(principal: str) -> set[tuple]:
@@ -18,7 +18,10 @@ def rules(principal: str) -> set[tuple]:
     }  # fmt: skip
 
 
-def test_the_queue_service_owns_its_topics_and_groups_but_never_reads_the_request_log() -> None:
+def test_the_queue_service_owns_its_topics_and_groups_but_never_reads_or_erases_the_log():
+    assert set(REQUEST_LOG_DENIED) == {
+        ACLOperation.READ, ACLOperation.DELETE, ACLOperation.ALTER, ACLOperation.ALTER_CONFIGS
+    }  # fmt: skip
     allow, deny = ACLPermissionType.ALLOW, ACLPermissionType.DENY
     prefixed, literal = ACLResourcePatternType.PREFIXED, ACLResourcePatternType.LITERAL
     topic, group, all_ = ResourceType.TOPIC, ResourceType.GROUP, ACLOperation.ALL
@@ -27,7 +30,7 @@ def test_the_queue_service_owns_its_topics_and_groups_but_never_reads_the_reques
         (allow, all_, topic, "tierflow-canary.", prefixed),
         (allow, all_, group, "tierflow-queue", prefixed),
         (allow, ACLOperation.WRITE, topic, "tierflow.request_log", literal),
-        (deny, ACLOperation.READ, topic, "tierflow.request_log", literal),
+        *((deny, op, topic, "tierflow.request_log", literal) for op in REQUEST_LOG_DENIED),
     }
 
 
