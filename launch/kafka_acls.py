@@ -77,20 +77,24 @@ def acls(topic_prefixes: Iterable[str], request_log: str, group_prefix: str) -> 
     ]
 
 
+def superuser(bootstrap: str, broker_tls_dir: Path) -> KafkaSettings:
+    """A client of the broker at ``bootstrap`` as its super user: the ``kafka`` identity,
+    whose files are in ``broker_tls_dir``."""
+    return KafkaSettings(
+        bootstrap=bootstrap, tls_dir=str(broker_tls_dir), tls_identity=Role.KAFKA.value
+    )
+
+
 def grant(
-    bootstrap: str,
-    broker_tls_dir: Path,
+    admin_settings: KafkaSettings,
     *,
     topic_prefixes: Iterable[str],
     request_log: str,
     group_prefix: str,
 ) -> None:
-    """Creates ``acls(...)`` on the broker at ``bootstrap``, as its super user (the ``kafka``
-    identity in ``broker_tls_dir``). Creating an ACL that exists already is a no-op."""
-    settings = KafkaSettings(
-        bootstrap=bootstrap, tls_dir=str(broker_tls_dir), tls_identity=Role.KAFKA.value
-    )
-    admin = KafkaAdminClient(**settings.admin_config())
+    """Creates ``acls(...)`` on the broker, as its super user (``superuser``). Creating an ACL
+    that exists already is a no-op."""
+    admin = KafkaAdminClient(**admin_settings.admin_config())
     try:
         result = admin.create_acls(acls(topic_prefixes, request_log, group_prefix))
     finally:
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-prefix", required=True)
     args = p.parse_args(argv)
     grant(
-        args.bootstrap, args.tls_dir, topic_prefixes=args.topic_prefix,
+        superuser(args.bootstrap, args.tls_dir), topic_prefixes=args.topic_prefix,
         request_log=args.request_log, group_prefix=args.group_prefix,
     )  # fmt: skip
     print(f"granted the ACLs of {', '.join(args.topic_prefix)} on {args.bootstrap}")

@@ -28,8 +28,8 @@ from types import TracebackType
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError
 
+from launch.kafka_acls import superuser
 from launch.processes import free_port
-from tierflow.identity import Role
 from tierflow.kafka_settings import KafkaSettings
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kafka.sh"
@@ -53,8 +53,8 @@ class LocalKafkaBroker:
         script: Path = SCRIPT,
         tls_dir: Path | None = None,
     ) -> None:
-        """``tls_dir``: a directory of ``tierflow certs`` holding the broker's identity
-        (``kafka``); then the broker speaks only mTLS and enforces ACLs (``launch/kafka_acls``)."""
+        """``tls_dir``: the broker's own directory (``launch.certs.export`` of the ``kafka``
+        identity); then the broker speaks only mTLS and enforces ACLs (``launch/kafka_acls``)."""
         self.tls_dir = tls_dir
         self.start_timeout_s = start_timeout_s
         self.heap = heap
@@ -150,9 +150,7 @@ class LocalKafkaBroker:
         """Settings of a client as the broker's super user: with TLS, the ``kafka`` identity."""
         if self.tls_dir is None:
             return KafkaSettings(bootstrap=self.bootstrap)
-        return KafkaSettings(
-            bootstrap=self.bootstrap, tls_dir=str(self.tls_dir), tls_identity=Role.KAFKA.value
-        )
+        return superuser(self.bootstrap, self.tls_dir)
 
     @property
     def data_dir(self) -> Path:

@@ -172,8 +172,7 @@ class LocalStack:
         if own is not None:
             primary = KafkaSettings(bootstrap=self.broker.bootstrap)
             grant_acls(
-                self.broker.bootstrap,
-                own,
+                self.broker.admin_settings(),
                 topic_prefixes=[primary.topic_prefix, CANARY_TOPIC_PREFIX],
                 request_log=primary.request_log_topic,
                 group_prefix=primary.group_id,

@@ -11,7 +11,6 @@ from datetime import datetime
 from pathlib import Path
 
 from launch.local_stack import STATE_FILE, StackConfig
-from tierflow.identity import Identity, Role
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import load_tiers
 
@@ -43,9 +42,10 @@ def _add_kafka_options(p: argparse.ArgumentParser) -> None:
 
 def _kafka_settings(args: argparse.Namespace, **overrides) -> KafkaSettings:
     """The operator's Kafka settings: the environment's, with what the command line gives."""
+    from ops.records import operator_kafka_from_env
+
     given = {"bootstrap": args.kafka_bootstrap, "tls_dir": args.kafka_tls_dir, **overrides}
-    operator = Identity(Role.OPERATOR).file_stem
-    return KafkaSettings.from_env(**{k: v for k, v in given.items() if v}, tls_identity=operator)
+    return operator_kafka_from_env(**{k: v for k, v in given.items() if v})
 
 
 def _add_source_options(p: argparse.ArgumentParser) -> None:

@@ -90,6 +90,13 @@ class LogRecord:
 # ------------------------------------------------------------------------------ request log
 
 
+def operator_kafka_from_env(**overrides) -> KafkaSettings:
+    """The ops tools' Kafka settings (``KafkaSettings.from_env``): over mTLS, when the
+    environment or ``overrides`` name a directory, as the ``operator`` identity (the request
+    log is all its ACLs let it read)."""
+    return KafkaSettings.from_env(**overrides, tls_identity=Identity(Role.OPERATOR).file_stem)
+
+
 def iter_kafka(
     settings: KafkaSettings,
     *,
@@ -240,8 +247,7 @@ def read_source(
     """``kafka`` (the request log), a dump (``*.jsonl`` of FinishedRequest records, told apart
     by their ``tier`` + ``status`` keys) or a trace file."""
     if source == "kafka":
-        operator = Identity(Role.OPERATOR).file_stem
-        settings = settings or KafkaSettings.from_env(tls_identity=operator)
+        settings = settings or operator_kafka_from_env()
         window = {"since_s": since_s, "until_s": until_s, "progress": progress}
         return (LogRecord.from_proto(m) for m in iter_kafka(settings, **window))
     path = Path(source)

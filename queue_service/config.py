@@ -18,6 +18,12 @@ from tierflow.kafka_settings import KafkaSettings
 from tierflow.metrics import DEFAULT_DEPLOYMENT, METRICS_LOOPBACK
 
 
+def kafka_from_env(**overrides) -> KafkaSettings:
+    """The queue service's Kafka settings (``KafkaSettings.from_env``): over mTLS, when the
+    environment or ``overrides`` name a directory, as the ``queue-service`` identity."""
+    return KafkaSettings.from_env(**overrides, tls_identity=Identity(Role.QUEUE_SERVICE).file_stem)
+
+
 @dataclass(frozen=True)
 class QueueServiceConfig:
     listen: str = "127.0.0.1:50051"
@@ -25,11 +31,7 @@ class QueueServiceConfig:
     policy: str = "flowprefill"
     tiers_file: Path | None = None
     predictor_file: Path | None = None
-    kafka: KafkaSettings = field(
-        default_factory=lambda: KafkaSettings.from_env(
-            tls_identity=Identity(Role.QUEUE_SERVICE).file_stem
-        )
-    )
+    kafka: KafkaSettings = field(default_factory=kafka_from_env)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     heartbeat_timeout_s: float = 3.0
     # A request that waits this long with no worker attached ends with UNAVAILABLE, not run

@@ -29,7 +29,7 @@ from queue_service.broker.bridge import KafkaBridge
 from queue_service.clients.admission import AdmissionLimits
 from queue_service.clients.api import ClientApi
 from queue_service.clients.wire import add_client_api
-from queue_service.config import QueueServiceConfig
+from queue_service.config import QueueServiceConfig, kafka_from_env
 from queue_service.core.capacity_board import CapacityBoard, load_record, published_load
 from queue_service.core.finished import finished_record, refused_record
 from queue_service.core.live import LiveRequest
@@ -45,7 +45,6 @@ from queue_service.trust import Trust
 from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
 from tierflow.identity import Identity, Role, add_port, add_tls_arguments
-from tierflow.kafka_settings import KafkaSettings
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
 from tierflow.tiers import load_tiers
@@ -317,9 +316,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         policy=args.policy,
         tiers_file=args.tiers,
         predictor_file=args.predictor,
-        kafka=KafkaSettings.from_env(
-            **overrides, tls_identity=Identity(Role.QUEUE_SERVICE).file_stem
-        ),
+        kafka=kafka_from_env(**overrides),
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
         max_queued_sheddable=args.max_queued_sheddable,

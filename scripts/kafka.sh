@@ -13,7 +13,8 @@
 #   ${TIERFLOW_CACHE:-~/.cache/tierflow}/kafka/<version>/libs
 # DIR holds server.properties, the data (DIR/data), broker.log, broker.pid and watchdog.pid.
 #
-# With KAFKA_TLS_DIR set (a directory of `tierflow certs`: ca.pem, kafka.pem, kafka.key) both
+# With KAFKA_TLS_DIR set (the broker's own directory, `tierflow certs --export`: ca.pem and
+# keystore.pem, its key and certificate as Kafka's PEM keystore; launch.certs.export) both
 # listeners are mTLS (SSL, a client certificate required) and an authorizer holds every client
 # to its ACLs: a principal is its certificate's common name (User:queue-service), and only the
 # broker's own (User:kafka) is a super user, which `launch/kafka_acls.py` uses to grant the rest.
@@ -99,24 +100,21 @@ EOF
   echo "$libs"
 }
 
-# The broker's PEM keystore: its key (PKCS#8, unencrypted, as `tierflow certs` writes it) and
-# certificate in one file, readable by this user only.
-keystore() {
-  local dir=$1 tls=$KAFKA_TLS_DIR
-  for f in ca.pem kafka.pem kafka.key; do
-    [ -f "$tls/$f" ] || die "KAFKA_TLS_DIR=$tls has no $f (make it with: tierflow certs --dir $tls)"
+# The files the broker's mTLS needs, as `tierflow certs --export` writes them.
+check_tls_dir() {
+  local tls=$KAFKA_TLS_DIR
+  for f in ca.pem keystore.pem; do
+    [ -f "$tls/$f" ] || die "KAFKA_TLS_DIR=$tls has no $f (make it with: tierflow certs --export)"
   done
-  (umask 077 && cat "$tls/kafka.key" "$tls/kafka.pem" >"$dir/keystore.pem")
 }
 
 # The mTLS and ACL lines of server.properties (KAFKA_TLS_DIR set).
 tls_properties() {
-  local dir=$1
   cat <<EOF
 # mTLS on both listeners; the CA of tierflow certs is the only trust anchor.
 ssl.client.auth=required
 ssl.keystore.type=PEM
-ssl.keystore.location=$dir/keystore.pem
+ssl.keystore.location=$KAFKA_TLS_DIR/keystore.pem
 ssl.truststore.type=PEM
 ssl.truststore.location=$KAFKA_TLS_DIR/ca.pem
 ssl.endpoint.identification.algorithm=https
@@ -150,7 +148,8 @@ start() {
   local protocol=PLAINTEXT
   if [ -n "${KAFKA_TLS_DIR:-}" ]; then
     protocol=SSL
-    keystore "$dir"
+    check_tls_dir
+    KAFKA_TLS_DIR=$(cd "$KAFKA_TLS_DIR" && pwd)  # server.properties needs it absolute
   fi
 
   cat >"$dir/server.properties" <<EOF
@@ -187,7 +186,7 @@ num.recovery.threads.per.data.dir=1
 log.cleaner.dedupe.buffer.size=16777216
 EOF
   if [ -n "${KAFKA_TLS_DIR:-}" ]; then
-    tls_properties "$dir" >>"$dir/server.properties"
+    tls_properties >>"$dir/server.properties"
   fi
 
   if [ ! -f "$dir/data/meta.properties" ]; then

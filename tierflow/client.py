@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from tierflow.identity import Role, open_channel, pinned
+from tierflow.identity import open_channel, pinned
 from tierflow.resume import Resume, StreamError, time_left
 from tierflow.tiers import API_KEY_HEADER, KEY_ID_HEADER, KEY_WEIGHT_HEADER, TIER_HEADER
 from tierflow.v1 import serving_pb2, serving_pb2_grpc
@@ -193,10 +193,9 @@ class AsyncTierflowClient:
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         reattach_s: float = REATTACH_S,
-        server: Role = Role.QUEUE_SERVICE,
     ) -> None:
         self._channel = (
-            grpc.aio.secure_channel(target, credentials, options=pinned(CHANNEL_OPTIONS, server))
+            grpc.aio.secure_channel(target, credentials, options=pinned(CHANNEL_OPTIONS))
             if credentials is not None
             else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         )

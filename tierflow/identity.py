@@ -139,7 +139,7 @@ def open_channel(
     return grpc.secure_channel(target, credentials, options=pinned(options, server))
 
 
-def pinned(options, server: Role) -> list[tuple[str, object]]:
+def pinned(options, server: Role = Role.QUEUE_SERVICE) -> list[tuple[str, object]]:
     """Channel ``options`` under which the server's certificate must name the service
     ``server`` (its role, which ``launch.certs`` puts in every server's names), whatever
     address was dialled: the CA signs every service's certificate, and without this a client

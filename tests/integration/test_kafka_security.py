@@ -22,7 +22,7 @@ from kafka.errors import (
     TopicAuthorizationFailedError,
 )
 
-from launch.certs import ensure
+from launch.certs import ensure, export
 from launch.kafka_acls import grant
 from launch.kafka_broker import LocalKafkaBroker
 from ops.records import LogRecord, iter_kafka
@@ -40,13 +40,12 @@ QUICK |= {"delivery_timeout_ms": 4000}
 @pytest.fixture(scope="module")
 def secure_kafka(tmp_path_factory, certs):
     """A broker of this module's own, mTLS only, with the ACLs of a deployment on ``prefix``."""
-    broker = LocalKafkaBroker(tls_dir=certs)
+    broker = LocalKafkaBroker(tls_dir=export(certs, Identity(Role.KAFKA)))
     broker.start(data_dir=tmp_path_factory.mktemp("secure-kafka"))
     prefix = f"t{uuid.uuid4().hex[:12]}."
     try:
         grant(
-            broker.bootstrap,
-            certs,
+            broker.admin_settings(),
             topic_prefixes=[prefix],
             request_log=f"{prefix}request_log",
             group_prefix=f"{prefix}queue",
