@@ -440,12 +440,3 @@ def wakeups(
         if at is not None:
             times[req.request_id] = at
     return times
-
-
-def predicted_wait_s(
-    requests: Iterable[Request], n_workers: int, estimator: Estimator, now: float
-) -> float:
-    """How long a newcomer that queues behind everything would wait: the prefill backlog per
-    worker (decoding holds no worker's prefill)."""
-    backlog = sum(estimator.prefill_left(r, now) for r in requests)
-    return backlog / max(1, n_workers)

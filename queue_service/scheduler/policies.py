@@ -107,6 +107,13 @@ class SchedulingPolicy(ABC):
         Keys end with the admission sequence number so that the order is total and repeatable.
         """
 
+    def order_key(self, req: Request, remaining_s: float) -> SortKey:
+        """A key that orders the waiting requests of one tier, all on time or all late, as
+        ``key`` orders them at any ``now`` (the scheduler's ``waiting_index`` keeps them sorted
+        by it). Never asked of a request past its first token. The default suits a ``key``
+        that does not read ``now``."""
+        return self.key(req, 0.0, remaining_s)
+
     def should_preempt(
         self, waiting: Request, running: Request, now: float, outlook: Outlook
     ) -> bool:
@@ -260,6 +267,11 @@ class FlowPrefill(SchedulingPolicy):
         if slack_s(req, now, remaining_s) >= 0:
             return (req.deadline_s, req.deadline_s, req.seq)
         return (now + req.tier.ttft_slo_s, req.deadline_s, req.seq)
+
+    def order_key(self, req: Request, remaining_s: float) -> SortKey:
+        # On time: (deadline, deadline, seq); late: (now + SLO, deadline, seq), the same SLO
+        # for the whole tier. Either way, within a tier, by deadline.
+        return (req.deadline_s, req.seq)
 
     def should_preempt(
         self, waiting: Request, running: Request, now: float, outlook: Outlook

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ from queue_service.scheduler.policies import SchedulingPolicy, make_policy, slac
 from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredictor
 from queue_service.scheduler.request import ON_WORKER, Request, RequestState, WorkerSlot
+from queue_service.scheduler.waiting_index import WaitingIndex
 from tierflow.recent import RecentMap
 from tierflow.tiers import TierTable
 
@@ -109,6 +110,10 @@ class SchedulerConfig:
     # comes back. At most ``remember_keys`` keys are remembered.
     key_active_s: float = 60.0
     remember_keys: int = 10_000
+    # A decision plans over the head of the waiting queues only (``waiting_index``): per tier
+    # this many of each order (plus the free workers' count). None: over every waiting
+    # request, the full planner (the reference of tests/unit/test_scheduler_window.py).
+    plan_window: int | None = 8
 
     def __post_init__(self) -> None:
         if self.max_preemptions is not None and self.max_preemptions < 0:
@@ -136,6 +141,8 @@ class SchedulerConfig:
             raise ValueError("remember_finished must be >= 1")
         if self.remember_keys < 0:
             raise ValueError("remember_keys must be >= 0")
+        if self.plan_window is not None and self.plan_window < 1:
+            raise ValueError("plan_window must be >= 1 (or None: every waiting request)")
 
 
 class Scheduler:
@@ -173,11 +180,17 @@ class Scheduler:
             self.config.max_pack_size, self.config.max_pack_tokens
         )
         self._requests: dict[str, Request] = {}  # live: not yet terminal
+        # The live requests that wait for a prefill, sorted (``waiting_index``).
+        self._index = WaitingIndex(self.policy, self.predictor, self.config.starvation_s)
+        # Tier -> key -> (live requests, the key's weight): who holds work in a tier.
+        self._live_keys: dict[str, dict[str, list]] = {name: {} for name in tiers.names}
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
         self._keys = fairness.KeyBook(self.config.remember_keys)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
+        # The waiting requests the last decision planned over, and whether that was all.
+        self._planned: tuple[frozenset[str], bool] = (frozenset(), True)
         self._seq = 0
         self._worker_seq = 0
         self._counters: Counter[str] = Counter()
@@ -243,20 +256,35 @@ class Scheduler:
             key_weight=ev.key_weight,
             progress_at_s=now,
         )
-        if self.admission_errors.judged(tier.name):
+        if self.admission_errors.judged(tier.name) and self.predictor.calibrated:
             req.admission_ttft_s = self._admission_ttft_s(req, now)
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
-            (
-                r
-                for r in self._requests.values()
-                if r.tier is tier and not r.prefilled and self._on_time(r, now)
-            ),
+            self._fair_peers(tier.name, now),
             credit_s=lambda: self._burst_credit_s(req, now),
         )
         self._requests[rid] = req
+        held = self._live_keys[tier.name].setdefault(req.key_id, [0, req.key_weight])
+        held[0] += 1
+        held[1] = req.key_weight
+        self._index.touch(req)
         return self._schedule(now)
+
+    def _fair_peers(self, tier: str, now: float) -> list[Request]:
+        """The tier's requests still to prefill that can make their deadlines and may hold the
+        smallest fair start tag (``fairness.KeyBook.arrive``): the first such waiting request
+        by tag, those always in the planning window, and those prefilling on a worker."""
+        peers = [r for r in self._index.special() if r.tier.name == tier]
+        peers += [r for r in self._prefilling() if r.tier.name == tier]
+        first = next((r for r in self._index.by_tag(tier) if self._on_time(r, now)), None)
+        peers += [first] if first is not None else []
+        return [r for r in peers if not r.prefilled and self._on_time(r, now)]
+
+    def _prefilling(self) -> list[Request]:
+        """The requests on the workers' prefills (running, packed or being preempted)."""
+        ids = [rid for w in self._workers.values() for rid in (w.active, *w.riders) if rid]
+        return [self._requests[rid] for rid in ids if rid in self._requests]
 
     def _on_time(self, req: Request, now: float) -> bool:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
@@ -266,7 +294,7 @@ class Scheduler:
         """The TTFT admission predicts for ``req`` on this instance's loads, before ``req``
         counts in them and before the error admission adds (``capacity.judge``, as
         ``CapacityBoard.place`` asks it): kept to measure that error once its first token is
-        out. None before the predictor is calibrated (admission does not judge then either)."""
+        out. Asked only once the predictor is calibrated (admission does not judge before)."""
         tier = req.tier
         above = [self.tier_load(t.name, now) for t in self.tiers if t.rank < tier.rank]
         verdict = judge(
@@ -305,8 +333,8 @@ class Scheduler:
         req.progress_at_s = now
         if now - self._decided_at < self.config.progress_decision_interval_s:
             return []  # decided a moment ago; the estimate is fresher for the next decision
-        decoders = any(w.decoding for w in self._workers.values())
-        if not decoders and not any(r.waiting for r in self._requests.values()):
+        beside = any(w.decoding or w.suspended for w in self._workers.values())
+        if not beside and not len(self._index):
             return []  # nobody waits or decodes beside it: nothing to decide
         return self._schedule(now)
 
@@ -389,6 +417,7 @@ class Scheduler:
             if not req.prefilled:
                 req.tokens_done = max(0, min(ev.tokens_done, req.prompt_tokens))
             worker.suspended[req.request_id] = None
+        self._index.touch(req)
         return self._schedule(now)
 
     def _on_cancelled(self, ev: RequestCancelled, now: float) -> list[Command]:
@@ -410,8 +439,18 @@ class Scheduler:
         if ev.request_id not in self._timers or req is None or not req.waiting:
             return []  # cancelled or moved meanwhile: stale
         del self._timers[ev.request_id]
+        left_s = self._estimator.prefill_left(req, now)
+        margin, switch_s = self.prediction_errors.margin(), self.switch_s()
+        at = self.policy.latest_start_s(req, now, left_s, margin, switch_s)
+        if at is not None and at - now > self.config.timer_resolution_s:
+            # Armed on an older error margin (a waiting request outside the planning window
+            # keeps the wake-up it got when it was indexed): not due yet, so aim it again.
+            self._timers[req.request_id] = at
+            self._counters["timers_reaimed"] += 1
+            return [SetTimer(req.request_id, at)]
         req.due = True  # from now on it preempts whenever its rank allows
         self._counters["timers_fired"] += 1
+        self._index.touch(req)
         return self._schedule(now)
 
     def _on_worker_joined(self, ev: WorkerJoined, now: float) -> list[Command]:
@@ -433,6 +472,7 @@ class Scheduler:
         held = [*active, *worker.riders, *worker.suspended, *worker.decoding]
         for rid in held:
             self._requests[rid].restart_from_scratch()
+            self._index.touch(self._requests[rid])
             self._counters["restarts"] += 1
         return self._schedule(now)
 
@@ -456,6 +496,8 @@ class Scheduler:
 
     def _schedule(self, now: float) -> list[Command]:
         self._decided_at = now
+        self._counters["decisions"] += 1
+        touched = self._index.sync(now, self._waits)
         workers = list(self._workers.values())
         commands: list[Command] = [
             self._resume_decode(req, worker, now)
@@ -463,12 +505,8 @@ class Scheduler:
                 workers, self._requests, self._estimator, now
             )
         ]
-        candidates = self._waiting_prefills()
-        left = planner.waiting_left(candidates, self._estimator, now)
-        ranked = planner.rank_waiting(
-            candidates, self.policy, self._estimator, self._rules, now, workers, left
-        )
-        placements = planner.place_on_free_workers(ranked, workers, self._requests)
+        window, left, ranked, placements = self._rank_and_place(now, workers)
+        self._planned = (frozenset(left), len(window) == len(self._index))
         for worker in workers:
             if worker.free:
                 worker.reserved_for = None  # the preemption it was marked for is over
@@ -491,14 +529,41 @@ class Scheduler:
                 if chosen.evict is not None:
                     commands.append(self._pause_decode(chosen.evict, True))
         commands += self._decode_pressure(still_waiting, workers, now)
-        # In admission order: the order of the timers' commands.
-        by_arrival = sorted(still_waiting, key=lambda r: r.seq)
-        return commands + self._reconcile_timers(by_arrival, left, now)
+        touched += self._index.sync(now, self._waits)  # what this decision started
+        return commands + self._reconcile_timers([*window, *touched], left, now)
 
-    def _waiting_prefills(self) -> list[Request]:
-        """The waiting requests but the paused decodes: those need no prefill and are resumed
-        by ``decode_batch.decode_resumes``."""
-        return [r for r in self._requests.values() if r.waiting and not self._paused_decode(r)]
+    def _rank_and_place(self, now: float, workers: list[WorkerSlot]):
+        """The planning window (``waiting_index``), its predicted prefill left, its ranking,
+        and the requests to start on
+        free workers. A free worker that could take a request from outside the window widens
+        it to every waiting request."""
+        free = [w for w in workers if w.free]
+        pinned = [self._requests[rid] for w in free for rid in w.suspended]
+        k = None if self.config.plan_window is None else self.config.plan_window + len(free)
+        while True:
+            window = self._index.window(now, k, pinned)
+            left = planner.waiting_left(window, self._estimator, now)
+            ranked = planner.rank_waiting(
+                window, self.policy, self._estimator, self._rules, now, workers, left
+            )
+            placements = planner.place_on_free_workers(ranked, workers, self._requests)
+            if k is None or len(window) == len(self._index):
+                return window, left, ranked, placements
+            used = {w.worker_id for _, w in placements}
+            if not any(w.has_kv_slot and w.worker_id not in used for w in free):
+                return window, left, ranked, placements
+            k = None
+
+    def _waits(self, req: Request) -> bool:
+        """Whether ``req`` waits for a prefill (the waiting index's members): live, queued or
+        suspended, and not a paused decode (those resume by ``decode_batch.decode_resumes``)."""
+        live = self._requests.get(req.request_id) is req
+        return live and req.waiting and not self._paused_decode(req)
+
+    def _paused_decodes(self) -> list[Request]:
+        """Decodes paused on their workers (waiting, yet outside the waiting index)."""
+        held = (self._requests[rid] for w in self._workers.values() for rid in w.suspended)
+        return [r for r in held if r.prefilled]
 
     def _paused_decode(self, req: Request) -> bool:
         if not (req.prefilled and req.state is RequestState.SUSPENDED):
@@ -536,18 +601,26 @@ class Scheduler:
         return Resume(req.request_id, worker.worker_id)
 
     def _reconcile_timers(
-        self, waiting: list[Request], left: Mapping[str, float], now: float
+        self, considered: list[Request], left: dict[str, float], now: float
     ) -> list[Command]:
-        """Arm, move or disarm wake-ups so that exactly the waiting requests that wait on a
-        prediction have one, at the policy's latest start."""
+        """Arm, move or disarm the wake-ups of the ``considered`` requests (the planning window
+        and those whose state changed) so that the waiting requests that wait on a prediction
+        have one, at the policy's latest start; in admission order."""
+        by_id = {r.request_id: r for r in considered}
+        waiting = [r for r in by_id.values() if r.request_id in self._index]
+        new = [r for r in waiting if r.request_id not in left]
+        left = {**left, **planner.waiting_left(new, self._estimator, now)}
         wanted = planner.wakeups(waiting, self.policy, self._estimator, now, left)
         commands: list[Command] = []
-        for rid in [r for r in self._timers if r not in wanted]:
-            del self._timers[rid]
-            commands.append(CancelTimer(rid))
-        for rid, at in wanted.items():
-            armed = self._timers.get(rid)
-            if armed is None or abs(armed - at) > self.config.timer_resolution_s:
+        for req in sorted(by_id.values(), key=lambda r: r.seq):
+            rid, armed = req.request_id, self._timers.get(req.request_id)
+            at = wanted.get(rid)
+            if at is None and armed is not None:
+                del self._timers[rid]
+                commands.append(CancelTimer(rid))
+            elif at is not None and (
+                armed is None or abs(armed - at) > self.config.timer_resolution_s
+            ):
                 self._timers[rid] = at
                 commands.append(SetTimer(rid, at))
         return commands
@@ -588,6 +661,7 @@ class Scheduler:
         req.progress_at_s = now
         req.due = False
         worker.active = req.request_id
+        self._index.touch(req)
         if resume:
             self._counters["resumes"] += 1
             return Resume(req.request_id, worker.worker_id)
@@ -621,15 +695,17 @@ class Scheduler:
         return self._overload_reason(now) if policy is not None and policy.sheddable else None
 
     def _overload_reason(self, now: float) -> str | None:
-        queued = sum(1 for r in self._requests.values() if r.waiting and r.tier.sheddable)
+        queued = sum(self._index.count(t.name) for t in self.tiers if t.sheddable)
+        queued += sum(1 for r in self._paused_decodes() if r.tier.sheddable)
         limit = self.config.max_queued_sheddable
         if queued >= limit:
             return (
                 f"overloaded: {queued} requests of sheddable tiers already waiting (limit {limit})"
             )
-        wait = planner.predicted_wait_s(
-            self._requests.values(), self._serving_workers(), self._estimator, now
-        )
+        # The prefill backlog per serving worker (decoding holds no worker's prefill).
+        backlog_s = self._index.backlog_s()
+        backlog_s += sum(self._estimator.prefill_left(r, now) for r in self._prefilling())
+        wait = backlog_s / max(1, self._serving_workers())
         if wait > self.config.max_predicted_wait_s:
             return (
                 f"overloaded: predicted wait {wait:.1f} s exceeds "
@@ -654,6 +730,11 @@ class Scheduler:
     def _finish(self, req: Request, state: RequestState) -> None:
         req.state = state
         del self._requests[req.request_id]
+        self._index.touch(req)
+        keys = self._live_keys[req.tier.name]
+        keys[req.key_id][0] -= 1
+        if not keys[req.key_id][0]:
+            del keys[req.key_id]
         self._remember(req.request_id, state)
         self._counters[state.value] += 1
 
@@ -706,16 +787,17 @@ class Scheduler:
         (``capacity.judge``): the predicted prefill time left of its live requests, in all and
         per key, with every key that sent the tier a request in the last ``key_active_s``."""
         weights = dict(self._keys.active(tier, now - self.config.key_active_s))
+        weights.update((key, held[1]) for key, held in self._live_keys[tier].items())
         by_key = dict.fromkeys(weights, 0.0)
         running = dict.fromkeys(weights, 0.0)
-        for r in self._requests.values():
+        for key, waiting_s in self._index.committed_s(tier).items():
+            by_key[key] += waiting_s
+        for r in self._prefilling():
             if r.tier.name == tier:
                 left_s = self._estimator.prefill_left(r, now)
-                by_key[r.key_id] = by_key.get(r.key_id, 0.0) + left_s
-                running[r.key_id] = running.get(r.key_id, 0.0)
+                by_key[r.key_id] += left_s
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s
-                weights[r.key_id] = r.key_weight
         return TierLoad(
             tier=tier,
             workers=self._serving_workers(),
@@ -732,6 +814,11 @@ class Scheduler:
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
         )
+
+    def planned(self) -> tuple[frozenset[str], bool]:
+        """The waiting requests the last decision planned over (its window, ``waiting_index``),
+        and whether they were every waiting request."""
+        return self._planned
 
     def timers(self) -> dict[str, float]:
         """Request id -> the wake-up armed for it."""
