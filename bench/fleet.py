@@ -318,6 +318,7 @@ class Instance:
         policy: str,
         max_live: int,
         charge_decisions: bool = True,
+        plan_window: int | None = SchedulerConfig.plan_window,
     ) -> None:
         self.name = name
         # False: decisions take no simulated time (tests of the fleet's own behaviour, which
@@ -326,7 +327,7 @@ class Instance:
         self.clock = clock
         self.tiers = tiers
         self.max_live = max_live
-        config = SchedulerConfig(refit_predictor=False, max_pack_size=1)
+        config = SchedulerConfig(refit_predictor=False, max_pack_size=1, plan_window=plan_window)
         self.scheduler = Scheduler(make_policy(policy), tiers, timing.predictor(), config)
         self.dispatcher = Dispatcher(self.scheduler, _Timers(self), clock=lambda: clock.now)
         self.inbox: deque[tuple[float, Callable[[], None]]] = deque()
@@ -443,12 +444,22 @@ class Fleet:
         max_live: int = 256,
         seed: int = 0,
         charge_decisions: bool = True,
+        plan_window: int | None = SchedulerConfig.plan_window,
     ) -> None:
         self.clock = Clock()
         self.timing = timing
         self.rng = random.Random(seed)
         self.instances = [
-            Instance(f"qs-{i}", self.clock, tiers, timing, policy, max_live, charge_decisions)
+            Instance(
+                f"qs-{i}",
+                self.clock,
+                tiers,
+                timing,
+                policy,
+                max_live,
+                charge_decisions,
+                plan_window,
+            )
             for i in range(instances)
         ]
         self.owners = range_assignment(partitions, instances)

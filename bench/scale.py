@@ -23,6 +23,7 @@ Prints a table, writes JSON and a PNG.
 from __future__ import annotations
 
 import copy
+import math
 import random
 import statistics
 import time
@@ -40,6 +41,7 @@ from bench.workload import DEFAULT_MIX, synthetic
 from queue_service.scheduler import (
     PrefillTimePredictor,
     RequestArrived,
+    RequestCancelled,
     Scheduler,
     SchedulerConfig,
     WorkerJoined,
@@ -50,6 +52,9 @@ from tierflow.tiers import TierTable, load_tiers
 CRITICAL = "critical"
 
 
+DEFAULT_WINDOW = SchedulerConfig().plan_window
+
+
 @dataclass(frozen=True)
 class ScalePoint:
     workers: int
@@ -57,6 +62,9 @@ class ScalePoint:
     partitions: int = 1  # per tier
     load: float = 0.7  # the workers' prefill busy share the arrivals ask for
     max_live: int = 256
+    # The scheduler's planning window (``waiting_index``); None: the full planner, every
+    # waiting request ranked on every event (the scheduler before the window).
+    plan_window: int | None = DEFAULT_WINDOW
 
 
 DEFAULT_SWEEP = (
@@ -70,9 +78,17 @@ DEFAULT_SWEEP = (
     ScalePoint(workers=64, instances=4, partitions=4),
     ScalePoint(workers=64, instances=8, partitions=8),
     ScalePoint(workers=64, instances=4, partitions=1),  # the partitions a fleet must not keep
+    # The full planner beside the window, on the same arrivals.
+    ScalePoint(workers=16, plan_window=None),
+    ScalePoint(workers=32, plan_window=None),
+    ScalePoint(workers=64, instances=4, partitions=4, plan_window=None),
 )
 
-QUICK_SWEEP = (ScalePoint(workers=4), ScalePoint(workers=8, instances=2, partitions=2))
+QUICK_SWEEP = (
+    ScalePoint(workers=4),
+    ScalePoint(workers=8, instances=2, partitions=2),
+    ScalePoint(workers=4, plan_window=None),
+)
 QUICK_LIVES = (64,)
 
 
@@ -81,8 +97,9 @@ class ScaleConfig:
     points: tuple[ScalePoint, ...] = DEFAULT_SWEEP
     # The pure scheduler first: one more critical arrival decided with this many live
     # requests (and how many copies of the state to time it on).
-    arrival_lives: tuple[int, ...] = (256, 1000, 3000)
-    arrival_samples: int = 50
+    arrival_lives: tuple[int, ...] = (256, 1000, 3000, 10000)
+    arrival_samples: int = 200
+    full_planner_samples: int = 20  # the full planner takes 50 ms an arrival at 10,000
     duration_s: float = 5.0  # simulated seconds of arrivals per point
     drain_s: float = 2.0  # simulated seconds after the last arrival
     max_new_tokens: int = 128
@@ -92,13 +109,47 @@ class ScaleConfig:
     policy: str = "flowprefill"
 
 
-def arrival_cost(live: int, samples: int, policy: str = "flowprefill", seed: int = 0) -> dict:
+def arrival_cost(
+    live: int,
+    samples: int,
+    plan_window: int | None,
+    policy: str = "flowprefill",
+    seed: int = 0,
+    state: tuple[Scheduler, float] | None = None,
+) -> tuple[dict, tuple[Scheduler, float]]:
     """The time ``Scheduler.handle`` takes to decide one more critical arrival, with ``live``
     requests of mixed tiers (500-4000-token prompts) waiting behind four batched workers of
-    24 KV slots: p50 and p99 over ``samples`` copies of the same state."""
+    24 KV slots (the limits that shed batch requests raised, so that all stay live): p50 and p99
+    over ``samples`` arrivals, each cancelled once decided, handled back to back by one warm
+    scheduler as a queue service handles its events. ``state``: a scheduler built by an
+    earlier call for the same ``live``, to time with another ``plan_window``."""
+    if state is None:
+        state = _live_state(live, policy, seed)
+    scheduler, now = copy.deepcopy(state)
+    scheduler.config = replace(scheduler.config, plan_window=plan_window)
+    times = []
+    for j in range(samples):
+        event = RequestArrived(f"new{j}", "critical", 120, 16, key_id="new")
+        started = time.perf_counter()
+        scheduler.handle(event, now)
+        times.append(time.perf_counter() - started)
+        scheduler.handle(RequestCancelled(f"new{j}"), now)
+    result = {
+        "live": scheduler.live_requests(),
+        "plan_window": plan_window,
+        "samples": samples,
+        "p50_us": percentile(times, 50) * 1e6,
+        "p99_us": percentile(times, 99) * 1e6,
+    }
+    return result, state
+
+
+def _live_state(live: int, policy: str, seed: int) -> tuple[Scheduler, float]:
+    """A scheduler holding ``live`` requests, and the time of its last arrival."""
     tiers = load_tiers()
     predictor = PrefillTimePredictor(a=1.7e-4, b=1.7e-7, c=0.075)  # bench-llama on this CPU
-    scheduler = Scheduler(make_policy(policy), tiers, predictor, SchedulerConfig())
+    config = SchedulerConfig(max_queued_sheddable=live, max_predicted_wait_s=math.inf)
+    scheduler = Scheduler(make_policy(policy), tiers, predictor, config)
     for i in range(4):
         scheduler.handle(WorkerJoined(f"w{i}", kv_slots=24, interruption_s=0.025), 0.0)
     rng = random.Random(seed)
@@ -108,19 +159,7 @@ def arrival_cost(live: int, samples: int, policy: str = "flowprefill", seed: int
         event = RequestArrived(f"r{i}", tier, rng.randint(500, 4000), 64, key_id=f"k{i % 7}")
         scheduler.handle(event, now)
         now += 0.0005
-    times = []
-    for j in range(samples):
-        state = copy.deepcopy(scheduler)
-        event = RequestArrived(f"new{j}", "critical", 120, 16, key_id="new")
-        started = time.perf_counter()
-        state.handle(event, now + 0.001)
-        times.append(time.perf_counter() - started)
-    return {
-        "live": scheduler.live_requests(),
-        "samples": samples,
-        "p50_us": percentile(times, 50) * 1e6,
-        "p99_us": percentile(times, 99) * 1e6,
-    }
+    return scheduler, now
 
 
 def mix_for_load(timing: GpuTiming, workers: int, load: float):
@@ -150,6 +189,7 @@ def run_point(point: ScalePoint, cfg: ScaleConfig, tiers: TierTable) -> dict:
         policy=cfg.policy,
         max_live=point.max_live,
         seed=cfg.seed,
+        plan_window=point.plan_window,
     )
     fleet.submit(list(workload.arrivals))
     finished = fleet.run(cfg.duration_s + cfg.drain_s, cfg.wall_limit_s)
@@ -218,7 +258,7 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
     )
     for column in (
         "workers", "inst", "parts", "max live", "req/s", "events/s (busiest)", "decide p50/p99 us",
-        "gap ms", "core", "event wait p99 ms", "live max", "crit TTFT p50/p99 ms",
+        "gap ms", "core", "window", "event wait p99 ms", "live max", "crit TTFT p50/p99 ms",
         "bound p99 ms", "crit within bound", "crit within SLO (n, 95% CI)",
     ):  # fmt: skip
         table.add_column(column, justify="right")
@@ -236,6 +276,7 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
             f"{b['decide_p50_us']:.0f}/{b['decide_p99_us']:.0f}",
             f"{b['mean_gap_ms']:.2f}" if b["mean_gap_ms"] else "-",
             f"{b['core_share']:.0%}{cut}",
+            _window_label(p["plan_window"]).replace(" (full planner)", ""),
             f"{b['event_wait_p99_ms']:.1f}",
             str(b["live_max"]),
             f"{c['ttft_p50_ms']:.0f}/{c['ttft_p99_ms']:.0f}",
@@ -254,11 +295,25 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
 
 def render_arrivals(arrivals: list[dict], cfg: ScaleConfig, console: Console) -> None:
     table = Table(title=f"The pure scheduler ({cfg.policy}): one more critical arrival")
-    for column in ("live requests", "n", "p50 us", "p99 us"):
+    for column in ("live requests", "window", "n", "p50 us", "p99 us", "p50 vs full planner"):
         table.add_column(column, justify="right")
+    full = {a["live"]: a for a in arrivals if a["plan_window"] is None}
     for a in arrivals:
-        table.add_row(str(a["live"]), str(a["samples"]), f"{a['p50_us']:.0f}", f"{a['p99_us']:.0f}")
+        reference = full.get(a["live"])
+        ratio = f"{a['p50_us'] / reference['p50_us']:.3f}x" if reference else "-"
+        table.add_row(
+            str(a["live"]),
+            _window_label(a["plan_window"]),
+            str(a["samples"]),
+            f"{a['p50_us']:.0f}",
+            f"{a['p99_us']:.0f}",
+            ratio,
+        )
     print_table(console, table)
+
+
+def _window_label(plan_window: int | None) -> str:
+    return "all (full planner)" if plan_window is None else str(plan_window)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -270,10 +325,22 @@ def plot(results: list[dict], path: Path) -> None:
     single = [
         r
         for r in results
-        if r["point"]["instances"] == 1 and r["point"]["max_live"] == default_live
+        if r["point"]["instances"] == 1
+        and r["point"]["max_live"] == default_live
+        and r["point"]["plan_window"] == DEFAULT_WINDOW
     ]
     xs = [r["point"]["workers"] for r in single]
-    left.plot(xs, [r["busiest"]["core_share"] for r in single], "o-", label="core share")
+    left.plot(xs, [r["busiest"]["core_share"] for r in single], "o-", label="window")
+    full = [
+        r for r in results if r["point"]["instances"] == 1 and r["point"]["plan_window"] is None
+    ]
+    left.plot(
+        [r["point"]["workers"] for r in full],
+        [r["busiest"]["core_share"] for r in full],
+        "s--",
+        label="full planner",
+    )
+    left.legend()
     left.axhline(1.0, color="grey", linestyle=":")
     left.set_xscale("log", base=2)
     left.set_xlabel("workers behind one instance")
@@ -282,21 +349,29 @@ def plot(results: list[dict], path: Path) -> None:
     multi = [r for r in results if r["point"]["workers"] == 64]
     labels = [
         f"{r['point']['instances']}i/{r['point']['partitions']}p/{r['point']['max_live']}"
+        + ("/full" if r["point"]["plan_window"] is None else "")
         for r in multi
     ]
     right.bar(labels, [r["busiest"]["core_share"] for r in multi], color="tab:blue")
     right.axhline(1.0, color="grey", linestyle=":")
     right.set_ylabel("busiest instance's core share")
     right.set_title("64 workers at 70 %: instances / partitions per tier / max_live")
+    right.tick_params(axis="x", labelrotation=45)
     save_figure(fig, path)
 
 
 def main(cfg: ScaleConfig, json_path: Path | None, plot_path: Path | None) -> list[dict]:
     console = Console()
     tiers = load_tiers()
-    arrivals = [
-        arrival_cost(live, cfg.arrival_samples, cfg.policy, cfg.seed) for live in cfg.arrival_lives
-    ]
+    arrivals = []
+    for live in cfg.arrival_lives:
+        windowed, state = arrival_cost(
+            live, cfg.arrival_samples, DEFAULT_WINDOW, cfg.policy, cfg.seed
+        )
+        full, _ = arrival_cost(
+            live, cfg.full_planner_samples, None, cfg.policy, cfg.seed, state=state
+        )
+        arrivals += [windowed, full]
     render_arrivals(arrivals, cfg, console)
     results = []
     for point in cfg.points:

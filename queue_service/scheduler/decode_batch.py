@@ -89,6 +89,11 @@ def _risky_rank(worker: WorkerSlot, requests: Mapping[str, Request], estimator, 
     active = requests.get(worker.active) if worker.active else None
     if active is None or active.state is not RequestState.RUNNING:
         return NO_RANK
+    # The most its rows can slow it down: a prefill safe even so needs no row to yield, and
+    # its rows need not be read (the common case, on every decision for every worker).
+    most = 1.0 / (1.0 - MAX_SLOTTED_SHARE) if worker.decode_step_s > 0 else 1.0
+    if not at_risk(active, estimator, now, most):
+        return NO_RANK
     rank, within = active.tier.rank, active.tier.tbt_slo_s or math.inf
     if not at_risk(active, estimator, now, slotting_slowdown(worker, requests, within)):
         return NO_RANK
@@ -109,6 +114,8 @@ def decode_pauses(
         return []
     pauses = []
     for worker in workers:
+        if not worker.decoding:
+            continue
         rank = _risky_rank(worker, requests, estimator, now)
         if rank == NO_RANK:
             continue  # nothing at risk there: no row yields (the common case)
@@ -129,6 +136,8 @@ def decode_resumes(
     """Paused decodes whose worker no longer runs a higher tier's prefill at risk."""
     resumes = []
     for worker in workers:
+        if not worker.suspended:
+            continue
         rank = _risky_rank(worker, requests, estimator, now)
         for rid in worker.suspended:
             req = requests[rid]

@@ -207,7 +207,7 @@ def choose_preemptions(
     predicted busy time of every worker), which gives the policy the ``wait_s`` it needs to
     judge whether waiting is acceptable. At most one victim per worker and per beneficiary.
     """
-    if not policy.preempts or not workers:
+    if not policy.preempts or not workers or not waiting:
         return []
     free_at, victims = _busy_workers(workers, requests, estimator, rules, now)
     lanes = _Lanes(free_at, workers)

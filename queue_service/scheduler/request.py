@@ -25,7 +25,6 @@ class RequestState(enum.Enum):
     REJECTED = "rejected"
 
 
-WAITING = frozenset({RequestState.QUEUED, RequestState.SUSPENDED})
 ON_WORKER = frozenset({RequestState.RUNNING, RequestState.DECODING, RequestState.PREEMPTING})
 
 
@@ -69,13 +68,16 @@ class Request:
     # that admission judges: compared with its TTFT to learn that error (``admission_error``).
     admission_ttft_s: float | None = None
 
-    @property
-    def deadline_s(self) -> float:
-        return self.arrival_s + self.tier.ttft_slo_s
+    # Its TTFT deadline (arrival and tier never change): read on every decision, so kept.
+    deadline_s: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.deadline_s = self.arrival_s + self.tier.ttft_slo_s
 
     @property
     def waiting(self) -> bool:
-        return self.state in WAITING
+        state = self.state  # two identity tests: cheaper than hashing the enum for a set
+        return state is RequestState.QUEUED or state is RequestState.SUSPENDED
 
     def restart_from_scratch(self) -> None:
         """Its state is gone (dropped by the worker, or the worker left): back to the queue."""

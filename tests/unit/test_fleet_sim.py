@@ -58,21 +58,30 @@ def test_with_one_partition_per_tier_the_second_instance_schedules_nothing():
 
 def test_the_scale_bench_writes_its_table_json_and_plot(tmp_path):
     cfg = ScaleConfig(
-        points=(ScalePoint(workers=2), ScalePoint(workers=2, instances=2, partitions=2)),
+        points=(
+            ScalePoint(workers=2),
+            ScalePoint(workers=2, instances=2, partitions=2),
+            ScalePoint(workers=2, plan_window=None),
+        ),
         duration_s=0.5,
         drain_s=2.0,  # decisions take their wall time here: room for a loaded CI machine
         max_new_tokens=8,
         arrival_lives=(16,),
         arrival_samples=5,
+        full_planner_samples=3,
     )
     main(cfg, tmp_path / "scale.json", tmp_path / "scale.png")
     result = json.loads((tmp_path / "scale.json").read_text())
-    assert [p["point"]["instances"] for p in result["points"]] == [1, 2]
+    assert [p["point"]["instances"] for p in result["points"]] == [1, 2, 1]
+    assert [p["point"]["plan_window"] for p in result["points"]][2] is None
     for point in result["points"]:
         assert point["finished"]
         assert point["critical"]["n"] > 0
         assert point["critical"]["served"] == point["critical"]["n"]
         assert point["busiest"]["core_share"] > 0
     assert (tmp_path / "scale.png").stat().st_size > 0
-    (cost,) = result["arrival_cost"]
-    assert cost["live"] == 16 and cost["samples"] == 5 and 0 < cost["p50_us"] <= cost["p99_us"]
+    windowed, full = result["arrival_cost"]
+    assert windowed["live"] == full["live"] == 16
+    assert (windowed["samples"], full["samples"]) == (5, 3) and full["plan_window"] is None
+    for cost in (windowed, full):
+        assert 0 < cost["p50_us"] <= cost["p99_us"]
