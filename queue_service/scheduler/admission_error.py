@@ -32,10 +32,9 @@ measuring.
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
+from queue_service.scheduler.sliding_quantile import SlidingQuantile
 from tierflow.recent import RecentMap
 
 
@@ -43,16 +42,16 @@ class _Errors:
     """A window of additive errors and its cached quantile."""
 
     def __init__(self, window: int) -> None:
-        self.samples: deque[float] = deque(maxlen=window)
+        self.samples = SlidingQuantile(window)
         self.cached: float | None = None
 
     def add(self, error_s: float) -> None:
-        self.samples.append(error_s)
+        self.samples.add(error_s)
         self.cached = None
 
     def quantile(self, q: float) -> float:
         if self.cached is None:
-            self.cached = float(np.quantile(np.fromiter(self.samples, float), q))
+            self.cached = self.samples.quantile(q)
         return self.cached
 
 

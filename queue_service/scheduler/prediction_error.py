@@ -11,9 +11,10 @@ high quantile of the observed ratio, not a constant: a well-calibrated predictor
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
+
+from queue_service.scheduler.sliding_quantile import SlidingQuantile
 
 
 class PredictionErrors:
@@ -34,7 +35,7 @@ class PredictionErrors:
             raise ValueError("need 0 <= default_margin <= max_margin")
         if not 0 < quantile < 1:
             raise ValueError("quantile must be in (0, 1)")
-        self._errors: deque[float] = deque(maxlen=window)
+        self._errors = SlidingQuantile(window)
         self._margin: float | None = None  # cached until the next observation
         self.min_samples = min_samples
         self.default_margin = default_margin
@@ -43,7 +44,7 @@ class PredictionErrors:
 
     def observe(self, predicted_s: float, actual_s: float) -> None:
         if predicted_s > 0 and math.isfinite(actual_s) and actual_s >= 0:
-            self._errors.append(actual_s / predicted_s - 1.0)
+            self._errors.add(actual_s / predicted_s - 1.0)
             self._margin = None
 
     def __len__(self) -> int:
@@ -57,7 +58,7 @@ class PredictionErrors:
             if len(self._errors) < self.min_samples:
                 self._margin = self.default_margin
             else:
-                high = float(np.quantile(np.fromiter(self._errors, float), self.quantile))
+                high = self._errors.quantile(self.quantile)
                 self._margin = min(self.max_margin, max(0.0, high))
         return self._margin
 
@@ -81,7 +82,7 @@ class SwitchTime:
     the largest budget a worker announced (0 when none did)."""
 
     def __init__(self, window: int = 64) -> None:
-        self._samples: deque[float] = deque(maxlen=window)
+        self._samples = SlidingQuantile(window)
         self._p95: float | None = None  # cached until the next observation
         self._expected = 0.0
 
@@ -93,11 +94,10 @@ class SwitchTime:
 
     def observe(self, latency_s: float) -> None:
         if math.isfinite(latency_s) and latency_s > 0:
-            self._samples.append(latency_s)
+            self._samples.add(latency_s)
             self._p95 = None
 
     def p95(self) -> float:
         if self._p95 is None:
-            samples = np.fromiter(self._samples, float)
-            self._p95 = float(np.quantile(samples, 0.95)) if len(samples) else self._expected
+            self._p95 = self._samples.quantile(0.95) if len(self._samples) else self._expected
         return self._p95
