@@ -111,9 +111,11 @@ class SchedulerConfig:
     key_active_s: float = 60.0
     remember_keys: int = 10_000
     # A decision plans over the head of the waiting queues only (``waiting_index``): per tier
-    # this many of each order (plus the free workers' count). None: over every waiting
-    # request, the full planner (the reference of tests/unit/test_scheduler_window.py).
-    plan_window: int | None = 8
+    # this many of each order, and a pack's worth more per free worker. None: over every
+    # waiting request, the full planner (the reference of tests/unit/test_scheduler_window.py).
+    # 1: the head of each order suffices to decide (the scale bench: a larger window only made
+    # decisions dearer, docs/results.md), and the rest wait on their wake-ups.
+    plan_window: int | None = 1
 
     def __post_init__(self) -> None:
         if self.max_preemptions is not None and self.max_preemptions < 0:
@@ -539,7 +541,12 @@ class Scheduler:
         it to every waiting request."""
         free = [w for w in workers if w.free]
         pinned = [self._requests[rid] for w in free for rid in w.suspended]
-        k = None if self.config.plan_window is None else self.config.plan_window + len(free)
+        per_free = max(1, self.config.max_pack_size)  # a pack's candidates for each free worker
+        k = (
+            None
+            if self.config.plan_window is None
+            else self.config.plan_window + per_free * len(free)
+        )
         while True:
             window = self._index.window(now, k, pinned)
             left = planner.waiting_left(window, self._estimator, now)

@@ -31,6 +31,7 @@ one mechanism, so no transition needs its own bookkeeping here.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -130,6 +131,8 @@ class WaitingIndex:
         self._touched: dict[str, Request] = {}
         self._indexed_at = predictor.predict(_REFERENCE_PROMPT)
         self._coefficients = predictor.coefficients  # a refit makes a new tuple
+        self._late_checked_at = -math.inf
+        self._added_since_check = False
 
     # ------------------------------------------------------------------ updates
 
@@ -161,6 +164,7 @@ class WaitingIndex:
         entry = _Entry(req, features, order, late_at, late=False, special=special)
         self._entries[seq] = entry
         self._seq_of[req.request_id] = seq
+        self._added_since_check = True
         self._by_arrival.add((req.arrival_s, seq))
         self._count_in(req, features, +1)
         if special:
@@ -200,6 +204,9 @@ class WaitingIndex:
             del keys[req.key_id]  # a key with nothing waiting costs nothing to read
 
     def _mark_late(self, now: float) -> None:
+        if now == self._late_checked_at and not self._added_since_check:
+            return  # nothing became late since the last look
+        self._late_checked_at, self._added_since_check = now, False
         for queues in self._tiers.values():
             while queues.by_late_at and queues.by_late_at[0][0] < now:
                 _, seq = queues.by_late_at.pop(0)

@@ -248,13 +248,13 @@ def test_windowed_decisions_keep_the_invariants_and_differ_only_as_explained(
 
 
 def test_share_of_identical_commands_on_random_streams():
-    """Seeded streams of a few hundred events with a window of 2 (so that it often holds fewer
+    """Seeded streams of a few hundred events with the default window (it often holds fewer
     than every waiting request): the share of events whose commands are the reference's,
     and what the rest are."""
     kinds: Counter[str] = Counter()
     for seed in range(12):
         rng = random.Random(seed)
-        world = World(window=2, workers=2, kv_slots=3, starvation_s=300.0)
+        world = World(SchedulerConfig().plan_window, workers=2, kv_slots=3, starvation_s=300.0)
         for _ in range(300):
             kind = rng.choice(KINDS)
             event = world.event(kind, rng.randrange(51), rng.randrange(1001))
@@ -262,7 +262,10 @@ def test_share_of_identical_commands_on_random_streams():
                 world.step(event)
         kinds += world.kinds
     total = sum(kinds.values())
-    print(f"\nwindow 2, {total} events: " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
+    print(
+        f"\nwindow {SchedulerConfig().plan_window}, {total} events: "
+        + ", ".join(f"{k} {n}" for k, n in kinds.most_common())
+    )
     same = sum(kinds[k] for k in IDENTICAL)
     assert same / total >= 0.9, kinds
     assert kinds["identical, window partial"] >= 0.2 * total, "the window mostly held every request"
