@@ -57,3 +57,7 @@ class RecentMap(Generic[K, V]):
     def items(self) -> Iterator[tuple[K, V]]:
         """(key, value) pairs, oldest first."""
         return iter(self._items.items())
+
+    def newest_first(self) -> Iterator[tuple[K, V]]:
+        """(key, value) pairs, the most recently put first."""
+        return reversed(self._items.items())

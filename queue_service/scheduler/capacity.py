@@ -177,7 +177,14 @@ def _key_loads(
 ) -> dict[str, KeyLoad]:
     """Per key, the committed work of every instance and of the pending admissions summed.
     A load that names no keys (one from before keys were published) counts as key ""."""
-    keys: dict[str, KeyLoad] = {}
+    if len(loads) == 1 and not pending and loads[0].keys:
+        # One instance's load (the scheduler judging on its own): its keys are the sums.
+        (load,) = loads
+        keys = {k.key_id: k for k in load.keys}
+        named = sum(k.committed_s for k in load.keys)
+        if load.committed_s <= named + 1e-9:
+            return keys
+    keys = {}
 
     def add(key_id: str, weight: float, seconds: float, running_s: float = 0.0) -> None:
         before = keys.get(key_id, KeyLoad(key_id, 0.0, 0.0))

@@ -87,9 +87,18 @@ class KeyBook:
         return start
 
     def active(self, tier: str, since_s: float) -> Iterator[tuple[str, float]]:
-        """(key, weight) of the tier's keys that sent a request at ``since_s`` or later."""
-        for (key_tier, key_id), entry in self._keys.items():
-            if key_tier == tier and entry.last_arrival_s >= since_s:
+        """(key, weight) of the tier's keys that sent a request at ``since_s`` or later.
+
+        Newest first, up to the first key (of any tier) last seen before ``since_s``: keys are
+        recorded in the order their requests reach the scheduler, so this reads the keys
+        active lately, not every key remembered (up to ``remember_keys``, on every arrival of
+        a tier that admission judges). A request that reaches the scheduler with an arrival
+        time older than the keys recorded before it (held in Kafka) may end the walk early by
+        that much: seconds, against a ``since_s`` a minute back."""
+        for (key_tier, key_id), entry in self._keys.newest_first():
+            if entry.last_arrival_s < since_s:
+                return
+            if key_tier == tier:
                 yield key_id, entry.weight
 
 

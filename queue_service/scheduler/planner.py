@@ -36,7 +36,8 @@ class Estimator:
         left = self.predictor.predict_partial(
             req.prompt_tokens, req.tokens_done, req.chunk_end, req.chunk_fraction
         )
-        if req.state in (RequestState.RUNNING, RequestState.PREEMPTING):
+        state = req.state
+        if state is RequestState.RUNNING or state is RequestState.PREEMPTING:
             # Between progress reports the worker keeps computing.
             left = max(0.0, left - (now - req.progress_at_s))
         return left

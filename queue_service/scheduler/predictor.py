@@ -130,9 +130,9 @@ class PrefillTimePredictor:
     ) -> float:
         """Like ``predict``, for a run stopped ``chunk_fraction`` of the way (in layers)
         through the chunk [tokens_done, chunk_end): that share of the chunk's work is done."""
-        left = self.predict(prompt_tokens, tokens_done)
         if chunk_fraction <= 0 or chunk_end <= tokens_done:
-            return left
+            return self.predict(prompt_tokens, tokens_done)  # no chunk under way (most calls)
+        left = self.predict(prompt_tokens, tokens_done)
         a, b, _ = self._coef
         end = min(chunk_end, prompt_tokens)
         chunk = a * (end - tokens_done) + b * (end * end - tokens_done * tokens_done)

@@ -541,6 +541,7 @@ class Scheduler:
         it to every waiting request."""
         free = [w for w in workers if w.free]
         pinned = [self._requests[rid] for w in free for rid in w.suspended]
+        served = [w.reserved_for for w in workers if w.reserved_for and not w.free]
         per_free = max(1, self.config.max_pack_size)  # a pack's candidates for each free worker
         k = (
             None
@@ -548,7 +549,7 @@ class Scheduler:
             else self.config.plan_window + per_free * len(free)
         )
         while True:
-            window = self._index.window(now, k, pinned)
+            window = self._index.window(now, k, pinned, served)
             left = planner.waiting_left(window, self._estimator, now)
             ranked = planner.rank_waiting(
                 window, self.policy, self._estimator, self._rules, now, workers, left

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 
@@ -106,11 +106,20 @@ class _TierQueues:
         self.by_tag: SortedList = SortedList()  # (fair tag, seq), on time only
         self.by_late_at: SortedList = SortedList()  # (late_at, seq), on time only
 
-    def heads(self, k: int) -> Iterator[int]:
-        """The seq of the first ``k`` of each set."""
+    def add_heads(self, seqs: set[int], k: int, served: Collection[int]) -> None:
+        """Add to ``seqs`` the first ``k`` of each set that are not ``served``, and the served
+        ones before them."""
         for items in (self.on_time, self.late, self.by_tag, self.by_late_at):
-            for item in islice(items, k):
-                yield item[-1]
+            if not served:
+                seqs.update(item[-1] for item in islice(items, k))
+                continue
+            left = k
+            for item in items:
+                seqs.add(item[-1])
+                if item[-1] not in served:
+                    left -= 1
+                    if not left:
+                        break
 
 
 class WaitingIndex:
@@ -244,14 +253,23 @@ class WaitingIndex:
     def requests(self) -> Iterator[Request]:
         return (entry.req for entry in self._entries.values())
 
-    def window(self, now: float, k: int | None, extra: Iterable[Request] = ()) -> list[Request]:
+    def window(
+        self,
+        now: float,
+        k: int | None,
+        extra: Iterable[Request] = (),
+        served: Collection[str] = (),
+    ) -> list[Request]:
         """The requests a decision plans over (module docstring); every one when ``k`` is
-        None. ``extra``: waiting requests to include as well."""
+        None. ``extra``: waiting requests to include as well. ``served``: requests a worker is
+        being preempted for; they do not count in the ``k`` of an order (they need nothing
+        more, so the next one in line is planned for)."""
         if k is None:
             return [entry.req for entry in self._entries.values()]
         seqs = set(self._special)
+        skip = {self._seq_of[rid] for rid in served if rid in self._seq_of}
         for queues in self._tiers.values():
-            seqs.update(queues.heads(k))
+            queues.add_heads(seqs, k, skip)
         for arrival_s, seq in islice(self._by_arrival, k):
             if now - arrival_s < self._starvation_s:
                 break  # the rest arrived later: none of them is aged

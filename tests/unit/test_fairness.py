@@ -165,8 +165,9 @@ def test_a_key_never_preempts_another_key_of_its_tier():
     # The calm key's request misses its deadline (0.2 s) behind the flood's running prefill
     # (0.25 s). Deadline first, that prefill would be stopped for it; fair order would then
     # rank the victim first again once the worker frees (a preempt/resume loop). Between keys
-    # of a tier, order decides.
-    sched = make("flowprefill", workers=1)
+    # of a tier, order decides. (The full planner: with the default window, f1 is behind calm
+    # in every order of its tier and preempts at its wake-up, test_scheduler_window.)
+    sched = make("flowprefill", workers=1, plan_window=None)
     sched.handle(RequestArrived("f0", "critical", 250, key_id="flood", arrival_s=0.0), 0.0)
     commands = sched.handle(
         RequestArrived("calm", "critical", 100, key_id="calm", arrival_s=-0.8), 0.01

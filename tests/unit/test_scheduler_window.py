@@ -269,3 +269,27 @@ def test_share_of_identical_commands_on_random_streams():
     same = sum(kinds[k] for k in IDENTICAL)
     assert same / total >= 0.9, kinds
     assert kinds["identical, window partial"] >= 0.2 * total, "the window mostly held every request"
+
+
+def test_a_request_behind_the_window_preempts_at_its_wake_up():
+    """The difference ``outside`` in one case: the flood key's second request (f1) would
+    preempt its own key's running prefill (f0) to make its deadline; the calm key's request,
+    due as soon, holds the head of every order of the tier, so the window of 1 does not hold
+    f1. It waits on its wake-up, the last moment the preemption still saves it, and preempts
+    then; the full planner preempts at once."""
+    config = SchedulerConfig(plan_window=1)
+    predictor = PrefillTimePredictor(a=1e-3, b=0.0, c=0.0)
+    s = Scheduler("flowprefill", UNIT_TIERS, predictor, config)
+    s.handle(WorkerJoined("w0", kv_slots=4), 0.0)
+    s.handle(RequestArrived("f0", "critical", 250, key_id="flood", arrival_s=0.0), 0.0)
+    s.handle(RequestArrived("calm", "critical", 100, key_id="calm", arrival_s=-0.8), 0.01)
+    reference = copy.deepcopy(s)
+    reference.config = dataclasses.replace(config, plan_window=None)
+    arrival = RequestArrived("f1", "critical", 100, key_id="flood", arrival_s=-0.8)
+    assert [c for c in reference.handle(arrival, 0.02) if isinstance(c, Preempt)]
+    commands = s.handle(arrival, 0.02)
+    assert not [c for c in commands if isinstance(c, Preempt)]
+    (wake_up,) = [c for c in commands if isinstance(c, SetTimer) and c.request_id == "f1"]
+    assert wake_up.at_s < 0.2 - 0.1  # f1's deadline less its prefill
+    commands = s.handle(TimerFired("f1"), wake_up.at_s)
+    assert [c.request_id for c in commands if isinstance(c, Preempt)] == ["f0"]
