@@ -82,16 +82,27 @@ def at_risk(prefill: Request, estimator: Estimator, now: float, slowdown: float 
 NO_RANK = 1 << 30  # no tier's decode yields
 
 
-def _risky_rank(worker: WorkerSlot, requests: Mapping[str, Request], estimator, now) -> int:
+def _risky_rank(
+    worker: WorkerSlot,
+    requests: Mapping[str, Request],
+    estimator,
+    now,
+    tightest_tbt_s: float,
+) -> int:
     """The tier rank of the worker's prefill if pausing the lower tiers' decode saves its
     deadline (at risk with every row slotted in, on time with its own tier's and above's);
-    decode of a lower tier yields to it."""
+    decode of a lower tier yields to it. ``tightest_tbt_s``: the smallest TBT target of any
+    tier (0: unknown)."""
     active = requests.get(worker.active) if worker.active else None
     if active is None or active.state is not RequestState.RUNNING:
         return NO_RANK
-    # The most its rows can slow it down: a prefill safe even so needs no row to yield, and
-    # its rows need not be read (the common case, on every decision for every worker).
-    most = 1.0 / (1.0 - MAX_SLOTTED_SHARE) if worker.decode_step_s > 0 else 1.0
+    # The most its rows can slow it down (one step every tightest target): a prefill safe
+    # even so needs no row to yield, and its rows need not be read (the common case, on every
+    # decision for every worker).
+    share = MAX_SLOTTED_SHARE
+    if tightest_tbt_s > 0:
+        share = min(share, worker.decode_step_s / tightest_tbt_s)
+    most = 1.0 / (1.0 - share) if worker.decode_step_s > 0 else 1.0
     if not at_risk(active, estimator, now, most):
         return NO_RANK
     rank, within = active.tier.rank, active.tier.tbt_slo_s or math.inf
@@ -108,6 +119,7 @@ def decode_pauses(
     estimator: Estimator,
     rules: Rules,
     now: float,
+    tightest_tbt_s: float = 0.0,
 ) -> list[Request]:
     """Decoding requests to pause because a higher tier's prefill on their worker is at risk."""
     if not policy.preempts:
@@ -116,7 +128,7 @@ def decode_pauses(
     for worker in workers:
         if not worker.decoding:
             continue
-        rank = _risky_rank(worker, requests, estimator, now)
+        rank = _risky_rank(worker, requests, estimator, now, tightest_tbt_s)
         if rank == NO_RANK:
             continue  # nothing at risk there: no row yields (the common case)
         for rid in worker.decoding:
@@ -132,13 +144,14 @@ def decode_resumes(
     requests: Mapping[str, Request],
     estimator: Estimator,
     now: float,
+    tightest_tbt_s: float = 0.0,
 ) -> list[tuple[Request, WorkerSlot]]:
     """Paused decodes whose worker no longer runs a higher tier's prefill at risk."""
     resumes = []
     for worker in workers:
         if not worker.suspended:
             continue
-        rank = _risky_rank(worker, requests, estimator, now)
+        rank = _risky_rank(worker, requests, estimator, now, tightest_tbt_s)
         for rid in worker.suspended:
             req = requests[rid]
             if req.prefilled and req.tier.rank <= rank:

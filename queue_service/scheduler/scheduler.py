@@ -178,6 +178,7 @@ class Scheduler:
             max_suspended_per_worker=self.config.max_suspended_per_worker,
         )
         self._pack_cost = packing.PackCost(self.predictor)
+        self._tightest_tbt_s = min((t.tbt_slo_s for t in tiers if t.tbt_slo_s), default=0.0)
         self._pack_limits = packing.PackLimits(
             self.config.max_pack_size, self.config.max_pack_tokens
         )
@@ -340,6 +341,15 @@ class Scheduler:
             return []  # nobody waits or decodes beside it: nothing to decide
         return self._schedule(now)
 
+    def _decides(self, now: float) -> bool:
+        """Whether an event that frees a prefill or a KV slot makes a decision: unless nothing
+        waits for either (no prefill, no paused decode) and the last decision was made a
+        moment ago. What such a decision could still do is pause decodes for a prefill that
+        time put at risk, which the next progress report decides as soon (its interval)."""
+        if len(self._index) or any(w.suspended for w in self._workers.values()):
+            return True
+        return now - self._decided_at >= self.config.progress_decision_interval_s
+
     def _on_prefill_finished(self, ev: PrefillFinished, now: float) -> list[Command]:
         req = self._on_worker(ev.request_id, ev.worker_id)
         if req is None or req.prefilled:
@@ -367,7 +377,7 @@ class Scheduler:
             self._learn_prefill(req, ev)
         req.pack = ()  # the pack's state is gone: each member holds its own KV now
         # Its first token is out, so it is now a cheap victim: a decision point.
-        return self._schedule(now)
+        return self._schedule(now) if self._decides(now) else []
 
     def _learn_prefill(self, req: Request, ev: PrefillFinished) -> None:
         if req.predicted_prefill_s is not None and not req.restarted:
@@ -401,7 +411,7 @@ class Scheduler:
             worker.decoding.pop(req.request_id, None)
             packing.leave(req, worker, pack_goes_on=True)
         self._finish(req, RequestState.DONE)
-        return self._schedule(now)
+        return self._schedule(now) if self._decides(now) else []
 
     def _on_preemption_acked(self, ev: PreemptionAcked, now: float) -> list[Command]:
         req = self._on_worker(ev.request_id, ev.worker_id)
@@ -504,7 +514,7 @@ class Scheduler:
         commands: list[Command] = [
             self._resume_decode(req, worker, now)
             for req, worker in decode_batch.decode_resumes(
-                workers, self._requests, self._estimator, now
+                workers, self._requests, self._estimator, now, self._tightest_tbt_s
             )
         ]
         window, left, ranked, placements = self._rank_and_place(now, workers)
@@ -582,7 +592,13 @@ class Scheduler:
         pauses = [
             self._pause_decode(victim, self.policy.drop_state)
             for victim in decode_batch.decode_pauses(
-                workers, self._requests, self.policy, self._estimator, self._rules, now
+                workers,
+                self._requests,
+                self.policy,
+                self._estimator,
+                self._rules,
+                now,
+                self._tightest_tbt_s,
             )
         ]
         drops = [

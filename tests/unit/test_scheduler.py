@@ -655,3 +655,23 @@ def test_progress_reports_decide_at_most_every_interval():
     assert sched.request("b").chunk_fraction == pytest.approx(1 / 12)
     # ...and the next report past the interval decides with it.
     assert step(sched, progress, 0.53) == [Preempt("b", "w0", drop_state=False)]
+
+
+def test_a_freed_prefill_or_slot_decides_only_when_something_waits_or_time_has_passed():
+    # Two short requests on two workers, nothing waiting: a first token and a finished
+    # decode a moment after the last decision decide nothing (the next progress report would
+    # be as soon); once something waits, or the interval has passed, they do.
+    sched = make("flowprefill", workers=2, progress_decision_interval_s=0.02)
+    arrive(sched, "a", "critical", 10, 0.0, new_tokens=4)
+    arrive(sched, "b", "critical", 10, 0.0, new_tokens=4)
+    decided = sched.counters["decisions"]
+    sched.handle(PrefillFinished("a", "w0", 10, 0.01), 0.01)
+    sched.handle(RequestDone("a", "w0"), 0.015)
+    assert sched.counters["decisions"] == decided
+    sched.handle(PrefillFinished("b", "w1", 10, 0.01), 0.05)  # the interval has passed
+    assert sched.counters["decisions"] == decided + 1
+    for rid in ("c", "d", "e"):  # two take the free prefills, the third waits
+        arrive(sched, rid, "batch", 5000, 0.05)
+    decided = sched.counters["decisions"]
+    assert step(sched, RequestDone("b", "w1"), 0.051) == []
+    assert sched.counters["decisions"] == decided + 1  # something waits: it decides
