@@ -546,9 +546,8 @@ class Scheduler:
 
     def _rank_and_place(self, now: float, workers: list[WorkerSlot]):
         """The planning window (``waiting_index``), its predicted prefill left, its ranking,
-        and the requests to start on
-        free workers. A free worker that could take a request from outside the window widens
-        it to every waiting request."""
+        and the requests to start on free workers. A free worker that could take a request
+        from outside the window widens it to every waiting request."""
         free = [w for w in workers if w.free]
         pinned = [self._requests[rid] for w in free for rid in w.suspended]
         served = [w.reserved_for for w in workers if w.reserved_for and not w.free]
