@@ -27,7 +27,7 @@ from gateway.demo_keys import DEMO_KEYS
 from ops.topics import read_topic
 from queue_service.scheduler import PrefillSample, PrefillTimePredictor
 from tests.integration.json_http import post_generate
-from tests.integration.processes import start_queue_service, start_worker
+from tests.integration.processes import print_own_log_lines, start_queue_service, start_worker
 from tests.integration.test_edge import demo_scoped, edge_stack, ids
 from tierflow.client import TierflowClient
 from tierflow.kafka_settings import KafkaSettings
@@ -140,6 +140,11 @@ def test_two_instances_share_the_critical_tiers_committed_work(tmp_path, kafka):
             assert (queued.tier, queued.requested_tier) == ("critical", "")
             for stream in (r0, r1, short):
                 stream.close()
+    except BaseException:
+        for proc in reversed(started):
+            proc.stop()
+        print_own_log_lines(started)  # what the services did: often the only record in CI
+        raise
     finally:
         for proc in reversed(started):
             proc.stop()
