@@ -138,6 +138,22 @@ class PrefillTimePredictor:
         chunk = a * (end - tokens_done) + b * (end * end - tokens_done * tokens_done)
         return max(0.0, left - min(chunk_fraction, 1.0) * chunk)
 
+    @staticmethod
+    def partial_features(
+        prompt_tokens: int, tokens_done: int, chunk_end: int, chunk_fraction: float
+    ) -> tuple[float, float, float]:
+        """(x, y, z) with ``predict_partial`` = a*x + b*y + c*z for any coefficients: the model
+        is linear in them, so sums of features give sums of predictions under every refit."""
+        n, d = prompt_tokens, max(tokens_done, 0)
+        if d >= n:
+            return (0.0, 0.0, 0.0)
+        x, y = float(n - d), float(n * n - d * d)
+        if chunk_fraction > 0 and chunk_end > d:
+            share, end = min(chunk_fraction, 1.0), min(chunk_end, n)
+            x -= share * (end - d)
+            y -= share * (end * end - d * d)
+        return (x, y, 1.0)
+
     def fit(self, samples: Iterable[PrefillSample]) -> PrefillTimePredictor:
         """Replace the window with ``samples`` (the newest ``window`` of them) and refit."""
         samples = list(samples)

@@ -193,7 +193,7 @@ class Scheduler:
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
         # The waiting requests the last decision planned over, and whether that was all.
-        self._planned: tuple[frozenset[str], bool] = (frozenset(), True)
+        self._planned: tuple[dict[str, float], bool] = ({}, True)
         self._seq = 0
         self._worker_seq = 0
         self._counters: Counter[str] = Counter()
@@ -518,7 +518,7 @@ class Scheduler:
             )
         ]
         window, left, ranked, placements = self._rank_and_place(now, workers)
-        self._planned = (frozenset(left), len(window) == len(self._index))
+        self._planned = (left, len(window) == len(self._index))  # its keys: the window
         for worker in workers:
             if worker.free:
                 worker.reserved_for = None  # the preemption it was marked for is over
@@ -841,7 +841,7 @@ class Scheduler:
     def planned(self) -> tuple[frozenset[str], bool]:
         """The waiting requests the last decision planned over (its window, ``waiting_index``),
         and whether they were every waiting request."""
-        return self._planned
+        return frozenset(self._planned[0]), self._planned[1]
 
     def timers(self) -> dict[str, float]:
         """Request id -> the wake-up armed for it."""

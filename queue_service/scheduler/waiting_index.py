@@ -54,15 +54,11 @@ def left_features(req: Request) -> tuple[float, float, float]:
     """(x, y, z) with the predicted prefill left ``a*x + b*y + c*z`` for the predictor's
     coefficients (a, b, c), as ``PrefillTimePredictor.predict_partial`` computes it for a
     waiting request (nothing runs: no time since its last report counts)."""
-    n, d = req.prompt_tokens, max(req.tokens_done, 0)
-    if req.prefilled or d >= n:
+    if req.prefilled:
         return (0.0, 0.0, 0.0)
-    x, y = float(n - d), float(n * n - d * d)
-    if req.chunk_fraction > 0 and req.chunk_end > d:
-        share, end = min(req.chunk_fraction, 1.0), min(req.chunk_end, n)
-        x -= share * (end - d)
-        y -= share * (end * end - d * d)
-    return (x, y, 1.0)
+    return PrefillTimePredictor.partial_features(
+        req.prompt_tokens, req.tokens_done, req.chunk_end, req.chunk_fraction
+    )
 
 
 @dataclass
