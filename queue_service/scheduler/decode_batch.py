@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from queue_service.scheduler.planner import Estimator, Rules, evictable_decodes
 from queue_service.scheduler.policies import SchedulingPolicy
@@ -82,26 +83,38 @@ def at_risk(prefill: Request, estimator: Estimator, now: float, slowdown: float 
 NO_RANK = 1 << 30  # no tier's decode yields
 
 
+@dataclass(frozen=True)
+class TierBounds:
+    """What decode pressure needs of the tier table: the smallest TBT target of any tier (0:
+    unknown), and the rank of the lowest tier (NO_RANK: unknown). A prefill of the lowest tier
+    has no lower tier's rows to pause: on a busy fleet most workers prefill the batch tier's
+    long prompts, and every decision skips them without predicting anything."""
+
+    tightest_tbt_s: float = 0.0
+    lowest_rank: int = NO_RANK
+
+
 def _risky_rank(
     worker: WorkerSlot,
     requests: Mapping[str, Request],
     estimator,
     now,
-    tightest_tbt_s: float,
+    bounds: TierBounds,
 ) -> int:
     """The tier rank of the worker's prefill if pausing the lower tiers' decode saves its
     deadline (at risk with every row slotted in, on time with its own tier's and above's);
-    decode of a lower tier yields to it. ``tightest_tbt_s``: the smallest TBT target of any
-    tier (0: unknown)."""
+    decode of a lower tier yields to it."""
     active = requests.get(worker.active) if worker.active else None
     if active is None or active.state is not RequestState.RUNNING:
         return NO_RANK
+    if active.tier.rank >= bounds.lowest_rank:
+        return NO_RANK  # no tier below it
     # The most its rows can slow it down (one step every tightest target): a prefill safe
     # even so needs no row to yield, and its rows need not be read (the common case, on every
     # decision for every worker).
     share = MAX_SLOTTED_SHARE
-    if tightest_tbt_s > 0:
-        share = min(share, worker.decode_step_s / tightest_tbt_s)
+    if bounds.tightest_tbt_s > 0:
+        share = min(share, worker.decode_step_s / bounds.tightest_tbt_s)
     most = 1.0 / (1.0 - share) if worker.decode_step_s > 0 else 1.0
     if not at_risk(active, estimator, now, most):
         return NO_RANK
@@ -119,7 +132,7 @@ def decode_pauses(
     estimator: Estimator,
     rules: Rules,
     now: float,
-    tightest_tbt_s: float = 0.0,
+    bounds: TierBounds = TierBounds(),
 ) -> list[Request]:
     """Decoding requests to pause because a higher tier's prefill on their worker is at risk."""
     if not policy.preempts:
@@ -128,7 +141,7 @@ def decode_pauses(
     for worker in workers:
         if not worker.decoding:
             continue
-        rank = _risky_rank(worker, requests, estimator, now, tightest_tbt_s)
+        rank = _risky_rank(worker, requests, estimator, now, bounds)
         if rank == NO_RANK:
             continue  # nothing at risk there: no row yields (the common case)
         for rid in worker.decoding:
@@ -144,14 +157,14 @@ def decode_resumes(
     requests: Mapping[str, Request],
     estimator: Estimator,
     now: float,
-    tightest_tbt_s: float = 0.0,
+    bounds: TierBounds = TierBounds(),
 ) -> list[tuple[Request, WorkerSlot]]:
     """Paused decodes whose worker no longer runs a higher tier's prefill at risk."""
     resumes = []
     for worker in workers:
         if not worker.suspended:
             continue
-        rank = _risky_rank(worker, requests, estimator, now, tightest_tbt_s)
+        rank = _risky_rank(worker, requests, estimator, now, bounds)
         for rid in worker.suspended:
             req = requests[rid]
             if req.prefilled and req.tier.rank <= rank:
@@ -171,12 +184,12 @@ def slot_evictions(
     slots: one decoding request of a lower tier there, whose state is dropped."""
     if not policy.preempts:
         return []
+    req = next((r for r in waiting if r.state is RequestState.QUEUED), None)
+    if req is None:
+        return []
     # A draining worker takes no new request: freeing a slot there would serve nobody.
     blocked = [w for w in workers if w.free and not w.has_kv_slot and not w.draining]
     if not blocked:
-        return []
-    req = next((r for r in waiting if r.state is RequestState.QUEUED), None)
-    if req is None:
         return []
     candidates = [
         r

@@ -21,16 +21,44 @@ from queue_service.scheduler.predictor import PrefillTimePredictor
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 
 
-@dataclass(frozen=True)
+@dataclass
 class Estimator:
     """Predicted time left for a request's prefill: what it holds its worker's engine for
-    (past its first token it decodes in the worker's batch, beside the next prefill)."""
+    (past its first token it decodes in the worker's batch, beside the next prefill).
+
+    One event reads the same request's estimate many times (admission, fair order, ranking,
+    preemption, decode pressure, packing, wake-ups). At one instant it does not change once the
+    event's own news is applied: a decision only starts, preempts or pauses requests, and one
+    started now has done nothing yet. So between ``hold(now)`` and ``release()`` each
+    request's estimate at ``now`` is computed once.
+    """
 
     predictor: PrefillTimePredictor
     errors: PredictionErrors
     switch: SwitchTime = field(default_factory=SwitchTime)
+    _held_at: float | None = field(default=None, init=False, repr=False)
+    _memo: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+
+    def hold(self, now: float) -> None:
+        """From here to ``release`` no request's estimate changes but by time passing: keep
+        each one computed at ``now`` (already held at ``now``: keep those kept)."""
+        if self._held_at != now:
+            self._held_at = now
+            self._memo.clear()
+
+    def release(self) -> None:
+        self._held_at = None
+        self._memo.clear()
 
     def prefill_left(self, req: Request, now: float) -> float:
+        if now != self._held_at:
+            return self._prefill_left(req, now)
+        left = self._memo.get(req.request_id)
+        if left is None:
+            left = self._memo[req.request_id] = self._prefill_left(req, now)
+        return left
+
+    def _prefill_left(self, req: Request, now: float) -> float:
         if req.prefilled:
             return 0.0
         left = self.predictor.predict_partial(
@@ -159,6 +187,7 @@ def place_on_free_workers(
         for w in workers
         if w.free and (w.has_kv_slot or w.draining or not stopping_decode(w, requests))
     ]
+    usable = [w for w in left if w.has_kv_slot]  # for a queued request
     placed: list[tuple[Request, WorkerSlot]] = []
     for req in ranked:
         if not left:
@@ -168,13 +197,14 @@ def place_on_free_workers(
             if worker is None:
                 continue  # its worker is busy: it waits for that one
         else:
-            # Keep workers that hold suspended states free for their own requests if possible.
-            usable = [w for w in left if w.has_kv_slot]
             if not usable:
                 continue
+            # Keep workers that hold suspended states free for their own requests if possible.
             worker = min(usable, key=lambda w: (len(w.suspended), w.seq))
         placed.append((req, worker))
         left.remove(worker)
+        if worker in usable:
+            usable.remove(worker)
     return placed
 
 

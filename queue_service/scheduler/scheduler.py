@@ -178,7 +178,10 @@ class Scheduler:
             max_suspended_per_worker=self.config.max_suspended_per_worker,
         )
         self._pack_cost = packing.PackCost(self.predictor)
-        self._tightest_tbt_s = min((t.tbt_slo_s for t in tiers if t.tbt_slo_s), default=0.0)
+        self._tier_bounds = decode_batch.TierBounds(
+            tightest_tbt_s=min((t.tbt_slo_s for t in tiers if t.tbt_slo_s), default=0.0),
+            lowest_rank=max((t.rank for t in tiers), default=decode_batch.NO_RANK),
+        )
         self._pack_limits = packing.PackLimits(
             self.config.max_pack_size, self.config.max_pack_tokens
         )
@@ -220,7 +223,10 @@ class Scheduler:
         except KeyError:
             raise TypeError(f"not a scheduler event: {event!r}") from None
         self._counters[type(event).__name__] += 1
-        return handler(event, now)
+        try:
+            return handler(event, now)
+        finally:
+            self._estimator.release()
 
     # ------------------------------------------------------------------ events
 
@@ -242,6 +248,9 @@ class Scheduler:
         if not (ev.key_weight > 0 and math.isfinite(ev.key_weight)):
             return self._reject(rid, f"invalid key weight {ev.key_weight!r}: must be > 0")
         tier = self.tiers[ev.tier]
+        # An arrival changes no live request's estimate: admission, fair order and the
+        # decision share one computation of each (``planner.Estimator``).
+        self._estimator.hold(now)
         if tier.sheddable:
             reason = self._overload_reason(now)
             if reason is not None:
@@ -275,19 +284,27 @@ class Scheduler:
         return self._schedule(now)
 
     def _fair_peers(self, tier: str, now: float) -> list[Request]:
-        """The tier's requests still to prefill that can make their deadlines and may hold the
-        smallest fair start tag (``fairness.KeyBook.arrive``): the first such waiting request
-        by tag, those always in the planning window, and those prefilling on a worker."""
+        """The tier's request still to prefill that can make its deadline with the smallest
+        fair start tag (``fairness.KeyBook.arrive`` reads the smallest), if any: among the
+        first such waiting request by tag, those always in the planning window, and those
+        prefilling on a worker. Judged in tag order, so that only the first on-time one is
+        predicted."""
         peers = [r for r in self._index.special() if r.tier.name == tier]
         peers += [r for r in self._prefilling() if r.tier.name == tier]
         first = next((r for r in self._index.by_tag(tier) if self._on_time(r, now)), None)
         peers += [first] if first is not None else []
-        return [r for r in peers if not r.prefilled and self._on_time(r, now)]
+        peers.sort(key=lambda r: r.fair_tag)
+        return next(([r] for r in peers if not r.prefilled and self._on_time(r, now)), [])
 
     def _prefilling(self) -> list[Request]:
         """The requests on the workers' prefills (running, packed or being preempted)."""
-        ids = [rid for w in self._workers.values() for rid in (w.active, *w.riders) if rid]
-        return [self._requests[rid] for rid in ids if rid in self._requests]
+        requests, found = self._requests, []
+        for worker in self._workers.values():
+            if worker.active and worker.active in requests:
+                found.append(requests[worker.active])
+            if worker.riders:
+                found += [requests[rid] for rid in worker.riders if rid in requests]
+        return found
 
     def _on_time(self, req: Request, now: float) -> bool:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
@@ -507,6 +524,7 @@ class Scheduler:
     # ------------------------------------------------------------------ decisions
 
     def _schedule(self, now: float) -> list[Command]:
+        self._estimator.hold(now)  # the event's news is in: estimates stay put while deciding
         self._decided_at = now
         self._counters["decisions"] += 1
         touched = self._index.sync(now, self._waits)
@@ -514,14 +532,14 @@ class Scheduler:
         commands: list[Command] = [
             self._resume_decode(req, worker, now)
             for req, worker in decode_batch.decode_resumes(
-                workers, self._requests, self._estimator, now, self._tightest_tbt_s
+                workers, self._requests, self._estimator, now, self._tier_bounds
             )
         ]
-        window, left, ranked, placements = self._rank_and_place(now, workers)
+        free = [w for w in workers if w.free]
+        window, left, ranked, placements = self._rank_and_place(now, workers, free)
         self._planned = (left, len(window) == len(self._index))  # its keys: the window
-        for worker in workers:
-            if worker.free:
-                worker.reserved_for = None  # the preemption it was marked for is over
+        for worker in free:
+            worker.reserved_for = None  # the preemption it was marked for is over
         placed = {req.request_id for req, _ in placements}
         commands += [self._place(req, worker, ranked, placed, now) for req, worker in placements]
         # Pack members started too: only what still waits may cause a preemption, find a slot
@@ -544,11 +562,10 @@ class Scheduler:
         touched += self._index.sync(now, self._waits)  # what this decision started
         return commands + self._reconcile_timers([*window, *touched], left, now)
 
-    def _rank_and_place(self, now: float, workers: list[WorkerSlot]):
+    def _rank_and_place(self, now: float, workers: list[WorkerSlot], free: list[WorkerSlot]):
         """The planning window (``waiting_index``), its predicted prefill left, its ranking,
-        and the requests to start on free workers. A free worker that could take a request
-        from outside the window widens it to every waiting request."""
-        free = [w for w in workers if w.free]
+        and the requests to start on the ``free`` workers. A free worker that could take a
+        request from outside the window widens it to every waiting request."""
         pinned = [self._requests[rid] for w in free for rid in w.suspended]
         served = [w.reserved_for for w in workers if w.reserved_for and not w.free]
         per_free = max(1, self.config.max_pack_size)  # a pack's candidates for each free worker
@@ -597,7 +614,7 @@ class Scheduler:
                 self._estimator,
                 self._rules,
                 now,
-                self._tightest_tbt_s,
+                self._tier_bounds,
             )
         ]
         drops = [

@@ -106,6 +106,8 @@ class _TierQueues:
         """Add to ``seqs`` the first ``k`` of each set that are not ``served``, and the served
         ones before them."""
         for items in (self.on_time, self.late, self.by_tag, self.by_late_at):
+            if not items:
+                continue
             if not served:
                 seqs.update(item[-1] for item in islice(items, k))
                 continue
@@ -260,7 +262,7 @@ class WaitingIndex:
         None. ``extra``: waiting requests to include as well. ``served``: requests a worker is
         being preempted for; they do not count in the ``k`` of an order (they need nothing
         more, so the next one in line is planned for)."""
-        if k is None:
+        if k is None or not self._entries:
             return [entry.req for entry in self._entries.values()]
         seqs = set(self._special)
         skip = {self._seq_of[rid] for rid in served if rid in self._seq_of}
