@@ -23,6 +23,7 @@ Prints a table, writes JSON and a PNG.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import random
 import statistics
@@ -48,6 +49,7 @@ from queue_service.scheduler import (
     WorkerJoined,
     make_policy,
 )
+from tierflow.heap import freeze_startup_heap
 from tierflow.tiers import TierTable, load_tiers
 
 CRITICAL = "critical"
@@ -126,6 +128,7 @@ def arrival_cost(
     earlier call for the same ``live``, to time with another ``plan_window``."""
     if state is None:
         state = _live_state(live, policy, seed)
+    gc_ms = full_collection_ms()  # over the state alone: ``main`` froze the startup heap
     scheduler, now = copy.deepcopy(state)
     scheduler.config = replace(scheduler.config, plan_window=plan_window)
     times = []
@@ -141,8 +144,16 @@ def arrival_cost(
         "samples": samples,
         "p50_us": percentile(times, 50) * 1e6,
         "p99_us": percentile(times, 99) * 1e6,
+        "full_gc_ms": gc_ms,
     }
     return result, state
+
+
+def full_collection_ms() -> float:
+    """How long a full garbage collection takes now, in ms (``tierflow.heap``)."""
+    started = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - started) * 1e3
 
 
 def _live_state(live: int, policy: str, seed: int) -> tuple[Scheduler, float]:
@@ -300,7 +311,8 @@ def render(results: list[dict], cfg: ScaleConfig, console: Console) -> None:
 
 def render_arrivals(arrivals: list[dict], cfg: ScaleConfig, console: Console) -> None:
     table = Table(title=f"The pure scheduler ({cfg.policy}): one more critical arrival")
-    for column in ("live requests", "window", "n", "p50 us", "p99 us", "p50 vs full planner"):
+    columns = ("live requests", "window", "n", "p50 us", "p99 us", "p50 vs full planner")
+    for column in (*columns, "full GC ms"):
         table.add_column(column, justify="right")
     full = {a["live"]: a for a in arrivals if a["plan_window"] is None}
     for a in arrivals:
@@ -313,8 +325,14 @@ def render_arrivals(arrivals: list[dict], cfg: ScaleConfig, console: Console) ->
             f"{a['p50_us']:.0f}",
             f"{a['p99_us']:.0f}",
             ratio,
+            f"{a['full_gc_ms']:.1f}",
         )
     print_table(console, table)
+    console.print(
+        "full GC: one full garbage collection over the scheduler's state, the process's startup "
+        "heap frozen as a queue service's is (tierflow.heap); the fleet below runs with the "
+        "collector off (bench.fleet)."
+    )
 
 
 def _window_label(plan_window: int | None) -> str:
@@ -368,15 +386,19 @@ def plot(results: list[dict], path: Path) -> None:
 def main(cfg: ScaleConfig, json_path: Path | None, plot_path: Path | None) -> list[dict]:
     console = Console()
     tiers = load_tiers()
-    arrivals = []
-    for live in cfg.arrival_lives:
-        windowed, state = arrival_cost(
-            live, cfg.arrival_samples, DEFAULT_WINDOW, cfg.policy, cfg.seed
-        )
-        full, _ = arrival_cost(
-            live, cfg.full_planner_samples, None, cfg.policy, cfg.seed, state=state
-        )
-        arrivals += [windowed, full]
+    freeze_startup_heap()  # as a queue service does once started: collections see its state
+    try:
+        arrivals = []
+        for live in cfg.arrival_lives:
+            windowed, state = arrival_cost(
+                live, cfg.arrival_samples, DEFAULT_WINDOW, cfg.policy, cfg.seed
+            )
+            full, _ = arrival_cost(
+                live, cfg.full_planner_samples, None, cfg.policy, cfg.seed, state=state
+            )
+            arrivals += [windowed, full]
+    finally:
+        gc.unfreeze()  # (a caller's process, a test's, keeps its own collections)
     render_arrivals(arrivals, cfg, console)
     results = []
     for point in cfg.points:

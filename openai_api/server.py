@@ -22,6 +22,7 @@ from openai_api.service_tiers import DEFAULT_SERVICE_TIERS, ServiceTiers
 from openai_api.translate import ServedModel
 from tierflow.addresses import parse_target
 from tierflow.catalogue import load_model_info
+from tierflow.heap import freeze_startup_heap
 from tierflow.identity import (
     PLAINTEXT_WARNING,
     Identity,
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         server.ssl = edge_only_server_context(config.tls_dir, Identity(Role.OPENAI_API))
     else:
         log.warning(PLAINTEXT_WARNING, listen=config.listen)
+    log.info("startup heap frozen", gc_objects=freeze_startup_heap())  # (tierflow.heap)
     uvicorn.Server(server).run()
     return 0
 

@@ -44,6 +44,7 @@ from queue_service.scheduler import (
 from queue_service.trust import Trust
 from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
+from tierflow.heap import freeze_startup_heap
 from tierflow.identity import Identity, Role, add_port, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
@@ -332,7 +333,9 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
 
 async def serve(config: QueueServiceConfig) -> None:
     # Built inside the running loop: a grpc.aio server binds to the loop it was created on.
-    await QueueService(config).run()
+    service = QueueService(config)  # loads the tokenizer, the tiers, the predictor
+    log.info("startup heap frozen", gc_objects=freeze_startup_heap())  # (tierflow.heap)
+    await service.run()
 
 
 def main(argv: list[str] | None = None) -> int:

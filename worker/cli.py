@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import structlog
 
+from tierflow.heap import freeze_startup_heap
 from tierflow.identity import PLAINTEXT_WARNING, Identity, TlsFiles, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments
@@ -226,4 +227,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if stop_requested.is_set():
         return 0
+    # The model and the engine are loaded: no collection walks them while serving.
+    main_log.info("startup heap frozen", gc_objects=freeze_startup_heap())  # (tierflow.heap)
     return worker.run()

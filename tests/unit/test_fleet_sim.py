@@ -3,6 +3,7 @@ drive simulated workers in simulated time, and every request is served."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 from bench.fleet import Fleet, GpuTiming, range_assignment
@@ -85,3 +86,5 @@ def test_the_scale_bench_writes_its_table_json_and_plot(tmp_path):
     assert (windowed["samples"], full["samples"]) == (5, 3) and full["plan_window"] is None
     for cost in (windowed, full):
         assert 0 < cost["p50_us"] <= cost["p99_us"]
+        assert cost["full_gc_ms"] > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # the caller's collector as it was
