@@ -55,6 +55,7 @@ from queue_service.scheduler import (
     make_policy,
 )
 from tierflow.tiers import TierTable
+from worker.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class GpuTiming:
     decode_row_s: float = 5e-5
     interruption_s: float = 2e-3  # the preemption budget on this hardware
     kv_slots: int = 64
+    # A worker reports a chunk's layers at most this often, as the real engine does.
+    progress_interval_s: float = EngineConfig().progress_interval_ms / 1000
 
     def prefill_s(self, tokens: int, done: int = 0) -> float:
         """Seconds to prefill tokens [done, tokens)."""
@@ -213,9 +216,14 @@ class SimWorker:
         points = self._timeline(request_id)
         run = _Prefill(request_id, points[-1][0], done_s, self.clock.now)
         self.prefill = run
+        reported = done_s  # as the engine: a chunk's layers at most every progress interval
         for offset, event in points:
             if offset <= done_s:
                 continue
+            within_chunk = event is not None and event.layers_done > 0
+            if within_chunk and offset - reported < self.timing.progress_interval_s:
+                continue
+            reported = offset
             at = self.clock.now + offset - done_s
             if event is None:
                 self.clock.at(at, lambda: self._first_token(run))

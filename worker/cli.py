@@ -93,6 +93,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="the longest one row block of a prefill may take; 0: operators run whole",
     )
     parser.add_argument(
+        "--progress-interval-ms",
+        type=float,
+        default=defaults.progress_interval_ms,
+        help="report a chunk's layers at most this often; 0: after every layer",
+    )
+    parser.add_argument(
         "--memory-cap-bytes",
         type=int,
         default=defaults.memory_cap_bytes,
@@ -161,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         chunk_size=args.chunk_size or None,
         check=args.check,
         preempt_budget_ms=args.preempt_budget_ms or None,
+        progress_interval_ms=args.progress_interval_ms,
         memory_cap_bytes=args.memory_cap_bytes,
         heartbeat_interval_s=args.heartbeat_interval,
         reconnect_min_s=args.reconnect_min,

@@ -46,6 +46,12 @@ class EngineConfig:
     # listener call (~1 us) per 100+ ms layer on a CPU; on a GPU the host runs ahead of the
     # device, so a report says the layer was queued, not finished.
     progress_every_layers: int = 1
+    # ... and at most once every this many ms. On a GPU a layer takes 1-2 ms: a report per layer
+    # is 500 a second per worker, each an event its queue service decodes and schedules (two
+    # thirds of an instance's events in `tierflow bench --scale`), while the scheduler decides
+    # on progress at most every 20 ms and extrapolates between reports. On a CPU a layer takes
+    # longer than this and every one is reported. 0: no limit.
+    progress_interval_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.chunk_size is not None and self.chunk_size <= 0:
@@ -58,6 +64,8 @@ class EngineConfig:
             raise ValueError("memory_cap_bytes must be >= 0")
         if self.progress_every_layers < 0:
             raise ValueError("progress_every_layers must be >= 0")
+        if not self.progress_interval_ms >= 0:
+            raise ValueError(f"progress_interval_ms must be >= 0, got {self.progress_interval_ms}")
         if self.preempt_budget_ms is not None and not self.preempt_budget_ms > 0:
             raise ValueError(
                 f"preempt_budget_ms must be > 0 (or None), got {self.preempt_budget_ms}"
@@ -113,6 +121,7 @@ class WorkerConfig:
     check: CheckGranularity = EngineConfig.check
     memory_cap_bytes: int = EngineConfig.memory_cap_bytes  # all suspended requests together
     preempt_budget_ms: float | None = EngineConfig.preempt_budget_ms
+    progress_interval_ms: float = EngineConfig.progress_interval_ms
     heartbeat_interval_s: float = 0.5
     reconnect_min_s: float = 0.1
     reconnect_max_s: float = 5.0
@@ -183,4 +192,5 @@ class WorkerConfig:
             check=self.check,
             memory_cap_bytes=self.memory_cap_bytes,
             preempt_budget_ms=self.preempt_budget_ms,
+            progress_interval_ms=self.progress_interval_ms,
         )

@@ -29,6 +29,7 @@ sliding-window attention) are respected.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -313,6 +314,8 @@ class PrefillEngine:
         stop = channel if check == "block" else None
         split_halves = check_halves or planner is not None
         report_every = self.config.progress_every_layers
+        report_gap_s = self.config.progress_interval_ms / 1000
+        reported_at = time.perf_counter()
         run_ahead = self.run_ahead
         layer_idx = state.layer
         # The hot loop: one call per operator (or row block), one attribute read per boundary.
@@ -350,7 +353,10 @@ class PrefillEngine:
             run_ahead.layer_done()
             if layer_idx < n_layers:
                 if report_every and layer_idx % report_every == 0:
-                    report(layer_idx)
+                    now = time.perf_counter()
+                    if now - reported_at >= report_gap_s:
+                        report(layer_idx)
+                        reported_at = now
                 if _boundary(channel if check_layers else None, between_layers):
                     state.hidden, state.layer = h, layer_idx
                     return None

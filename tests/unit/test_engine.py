@@ -8,13 +8,16 @@ only decode there is, so the tests that decode use it.
 
 from __future__ import annotations
 
+import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.attention import ATTENTION, model_with_attention
 from tests.engine_hooks import StopAfter
+from worker import engine as engine_module
 from worker.batch_engine import BatchEngine
 from worker.engine import EngineConfig, PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
@@ -351,9 +354,8 @@ def test_progress_is_reported_per_chunk(tiny_llama):
 
 @pytest.mark.parametrize("every", [0, 1, 2])
 def test_progress_is_reported_every_few_layers_inside_a_chunk(tiny_llama, every):
-    engine = PrefillEngine(
-        tiny_llama.model, EngineConfig(chunk_size=60, progress_every_layers=every)
-    )
+    config = EngineConfig(chunk_size=60, progress_every_layers=every, progress_interval_ms=0)
+    engine = PrefillEngine(tiny_llama.model, config)
     n_layers = len(engine.layers)
     recorder = Recorder()
     task = engine.new_task(GenerationRequest("p", prompt(100, 500, seed=4)))
@@ -362,6 +364,20 @@ def test_progress_is_reported_every_few_layers_inside_a_chunk(tiny_llama, every)
     inside = [k for k in range(1, n_layers) if every and k % every == 0]
     assert recorder.layer_progress == [(c, k) for c in (0, 1) for k in inside]
     assert recorder.progress == [60]
+
+
+def test_progress_inside_a_chunk_is_reported_at_most_every_interval(tiny_llama, monkeypatch):
+    readings = itertools.count(step=0.003)  # the engine's clock: 3 ms later at every look
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
+    config = EngineConfig(chunk_size=60, progress_interval_ms=5)
+    engine = PrefillEngine(tiny_llama.model, config)
+    recorder = Recorder()
+    task = engine.new_task(GenerationRequest("p", prompt(100, 500, seed=4)))
+    engine.run(task, PreemptionChannel(), recorder)
+    # Each chunk's clock starts at its first layer: a report 6 ms in, none 3 ms after it.
+    inside = [k for k in range(1, len(engine.layers)) if k % 2 == 0]
+    assert recorder.layer_progress == [(c, k) for c in (0, 1) for k in inside]
+    assert recorder.progress == [60]  # chunk ends always go out
 
 
 def test_chunk_only_check_stops_at_chunk_boundary(tiny_llama):

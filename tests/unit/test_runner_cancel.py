@@ -115,7 +115,7 @@ def test_a_cancel_frees_the_slot_once_and_nothing_follows_it(tiny_llama, phase):
     model = tiny_llama.model
     engine = BatchEngine(
         model,
-        EngineConfig(chunk_size=64, check="layer"),
+        EngineConfig(chunk_size=64, check="layer", progress_interval_ms=0),  # a layer's report
         BatchConfig(max_batch_size=4, pool_slots=4, slot_tokens=160),
     )
     ledger = SlotLedger(engine)

@@ -201,6 +201,7 @@ def worker(queue_service, tiny_llama):
         queue_service=queue_service.address,
         worker_id="w-test",
         chunk_size=16,
+        progress_interval_ms=0,  # every layer's report: the tests read them as steps
         heartbeat_interval_s=0.05,
         reconnect_min_s=0.05,
         reconnect_max_s=0.2,
