@@ -407,6 +407,8 @@ def _pick_victim(
     ``outlook``: the waiting side of the policy's outlook (each victim fills in its own)."""
     eligible: list[tuple[tuple[bool, SortKey], Request, bool]] = []
     for worker_id, running in victims.items():
+        if running.tier.rank < req.tier.rank and not running.prefilled:
+            continue  # no policy lets a lower tier stop a higher tier's prefill
         if running.tier is req.tier and running.key_id != req.key_id:
             # Between the keys of one tier fair order decides (``fairness``), not deadlines:
             # preempting by deadline would let the victim rank first again once the worker

@@ -119,7 +119,9 @@ class SchedulingPolicy(ABC):
     ) -> bool:
         """Whether ``waiting`` justifies preempting ``running``.
 
-        The scheduler has already excluded running requests that may not be preempted.
+        The scheduler has already excluded running requests that may not be preempted, and
+        the prefills of a tier above the waiting request's: no policy lets a lower tier stop
+        a higher tier's prefill (``planner._pick_victim``).
         """
         return False
 
