@@ -47,8 +47,9 @@ class Estimator:
             self._memo.clear()
 
     def release(self) -> None:
-        self._held_at = None
-        self._memo.clear()
+        if self._held_at is not None:  # (after every event: most hold nothing)
+            self._held_at = None
+            self._memo.clear()
 
     def prefill_left(self, req: Request, now: float) -> float:
         if now != self._held_at:
