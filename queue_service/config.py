@@ -31,6 +31,10 @@ class QueueServiceConfig:
     policy: str = "flowprefill"
     tiers_file: Path | None = None
     predictor_file: Path | None = None
+    # Refit the prefill predictor from every finished prefill (``SchedulerConfig``). Off: it
+    # keeps ``predictor_file``'s coefficients, so that what admission predicts does not
+    # follow this machine's speed (tests that fix the predicted cost of a prompt).
+    refit_predictor: bool = SchedulerConfig.refit_predictor
     kafka: KafkaSettings = field(default_factory=kafka_from_env)
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     heartbeat_timeout_s: float = 3.0

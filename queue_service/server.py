@@ -74,7 +74,10 @@ class QueueService:
             make_policy(config.policy),
             tiers,
             predictor,
-            SchedulerConfig(max_queued_sheddable=config.max_queued_sheddable),
+            SchedulerConfig(
+                max_queued_sheddable=config.max_queued_sheddable,
+                refit_predictor=config.refit_predictor,
+            ),
         )
         self.slos_s = {t.name: t.ttft_slo_s for t in tiers}
         self.tbt_slos_s = {t.name: t.tbt_slo_s for t in tiers}
@@ -272,6 +275,10 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
     p.add_argument("--policy", default=defaults.policy)
     p.add_argument("--tiers", type=Path)
     p.add_argument("--predictor", type=Path, help="from `tierflow calibrate`")
+    p.add_argument(
+        "--no-refit-predictor", dest="refit_predictor", action="store_false",
+        help="keep the predictor's coefficients: no refit from finished prefills",
+    )  # fmt: skip
     p.add_argument("--kafka-bootstrap", help="default $TIERFLOW_KAFKA_BOOTSTRAP or :9092")
     p.add_argument("--topic-prefix", help="default $TIERFLOW_KAFKA_TOPIC_PREFIX or 'tierflow.'")
     p.add_argument(
@@ -317,6 +324,7 @@ def parse_args(argv: list[str] | None = None) -> QueueServiceConfig:
         policy=args.policy,
         tiers_file=args.tiers,
         predictor_file=args.predictor,
+        refit_predictor=args.refit_predictor,
         kafka=kafka_from_env(**overrides),
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
