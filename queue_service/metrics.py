@@ -99,6 +99,11 @@ class QueueServiceMetrics:
             "tierflow_key_tokens", "Tokens of done requests per API key label and tier served",
             [_D, "key", "served_tier", "kind"], registry=r,
         )  # fmt: skip
+        self.unjudged = Counter(
+            "tierflow_admission_unjudged",
+            "Requests of a tier with an overflow rule admitted without a judgement, by reason",
+            [_D, "tier", "reason"], registry=r,
+        )  # fmt: skip
         self.max_key_series = max_key_series
         self._keys: set[str] = set()
         for tier in slos_s:  # every series exists from the start: rate() needs a zero
@@ -108,6 +113,10 @@ class QueueServiceMetrics:
             self.tbt.labels(deployment, tier)
             for where in ("scheduler", "kafka"):
                 self.queue_depth.labels(deployment, tier, where)
+
+    def admitted_unjudged(self, tier: str, reason: str) -> None:
+        """Admission could not apply ``tier``'s rule (``capacity_board.unjudged_reason``)."""
+        self.unjudged.labels(self.deployment, tier, reason).inc()
 
     def request_ended(
         self, record: queue_pb2.FinishedRequest, token_gaps_s: Sequence[float] = ()

@@ -125,6 +125,7 @@ class QueueService:
             heartbeat_s=config.stream_heartbeat_s,
             deployment=config.deployment,
             refused=self._refused,
+            unjudged=self.metrics.admitted_unjudged,
             trust=trust,
         )
         self.health = health.aio.HealthServicer()

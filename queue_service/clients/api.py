@@ -68,6 +68,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         heartbeat_s: float = 10.0,
         deployment: str = "",
         refused: Callable[[queue_pb2.QueuedRequest], None] = lambda record: None,
+        unjudged: Callable[[str, str], None] = lambda tier, reason: None,
         trust: Trust = PLAINTEXT,
     ) -> None:
         self.trust = trust
@@ -82,6 +83,8 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         self.heartbeat_s = heartbeat_s
         # The request log's record of a request refused for load before it was queued.
         self.refused = refused
+        # (tier, reason): a tier with an overflow rule admitted a request without judging it.
+        self.unjudged = unjudged
         self.deployment = deployment
 
     async def Generate(
@@ -271,6 +274,8 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         placement = self.board.place(
             record.tier, len(record.prompt_ids), record.key_id, record.key_weight or 1.0
         )
+        if placement.unjudged is not None and placement.served_tier is not None:
+            self.unjudged(placement.served_tier, placement.unjudged)
         if placement.served_tier is None:
             refusal = placement.refusal
             log.info("refused at capacity", request_id=record.request_id, tier=record.tier)

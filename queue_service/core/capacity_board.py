@@ -108,6 +108,8 @@ class Placement:
     served_tier: str | None
     verdicts: tuple[Verdict, ...]  # the rules that refused it, from the requested tier down
     admitting: Verdict | None = None  # the rule that admitted it (None: no rule applied)
+    # Why a tier with a rule took it without judging (``unjudged_reason``), else None.
+    unjudged: str | None = None
 
     @property
     def downgraded(self) -> bool:
@@ -117,6 +119,17 @@ class Placement:
     def refusal(self) -> Verdict:
         """The verdict that refused it (only when rejected)."""
         return self.verdicts[-1]
+
+
+def unjudged_reason(loads: list[TierLoad]) -> str:
+    """Why ``judge`` could not apply a tier's rule to these loads (it then admits): no owner
+    published a load in the last ``stale_after_s`` (the owner stopped, lost its partitions, or
+    its writes are stuck in Kafka), none has a worker, or none has a calibrated predictor."""
+    if not loads:
+        return "no fresh load"
+    if not any(load.workers for load in loads):
+        return "no workers"
+    return "uncalibrated predictor"
 
 
 @dataclass
@@ -195,7 +208,10 @@ class CapacityBoard:
             loads = [p.load for p in self.loads(policy.name)]
             pending = self.pending(policy.name)
             verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above)
-            if verdict is None or verdict.admit:
+            if verdict is None:
+                unjudged = unjudged_reason(loads)
+                return Placement(tier, policy.name, tuple(verdicts), None, unjudged)
+            if verdict.admit:
                 return Placement(tier, policy.name, tuple(verdicts), verdict)
             verdicts.append(verdict)
             below = self.tiers.below(policy.name)

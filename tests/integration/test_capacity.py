@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.demo_keys import DEMO_KEYS
+from launch.processes import free_port
 from ops.topics import read_topic
 from queue_service.scheduler import PrefillSample, PrefillTimePredictor
 from tests.integration.json_http import post_generate
@@ -86,6 +89,40 @@ def queued_of(stream) -> object:
     first = next(stream)
     assert first.WhichOneof("event") == "queued", first
     return first.queued
+
+
+def test_a_request_admitted_without_a_judgement_is_counted_with_the_reason(tmp_path, kafka):
+    """Admission judges a tier only on a load its owner published lately, with a worker and a
+    calibrated predictor behind it. With no worker attached there is none to judge on (no
+    load yet, or one of no workers), and the request stays at its tier: counted, by reason, so
+    that an operator sees admission running blind (a broker stall once left an instance so
+    for seconds, with nothing in its logs)."""
+    prefix = f"t{uuid.uuid4().hex[:12]}."
+    settings = KafkaSettings(
+        bootstrap=kafka.bootstrap, topic_prefix=prefix, group_id=f"{prefix}queue"
+    )
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(CAPACITY_TIERS)
+    port = free_port()
+    extra = [*predictor_args(tmp_path), "--metrics-port", str(port)]
+    qs, target = start_queue_service(tmp_path, settings, model=MODEL, tiers=tiers, extra=extra)
+    try:
+        with TierflowClient(target, tier="critical") as client:
+            stream = client.generate(ids(10, seed=5), max_new_tokens=1, request_id="blind")
+            assert queued_of(stream).tier == "critical"
+            stream.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        counted = {
+            (s.labels["tier"], s.labels["reason"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "tierflow_admission_unjudged_total"
+        }
+        assert list(counted) in ([("critical", "no fresh load")], [("critical", "no workers")])
+        assert list(counted.values()) == [1.0]
+    finally:
+        qs.stop()
 
 
 # A rebalance of the consumer group voids an attempt of the two-instance test: this many are run,

@@ -284,6 +284,24 @@ def test_a_stale_load_no_longer_counts_and_old_admissions_leave_the_ledger():
     assert board.pending("critical") == []
 
 
+def test_a_request_admitted_without_a_judgement_says_why():
+    clock = Clock()
+    standard = PublishedLoad("owner", clock.now, load(0.0, tier="standard"), {})
+    board = board_with(clock, owner_load(clock, 0.5), standard)
+    judged = board.place("critical", 10)  # downgraded, judged at standard too
+    assert judged.unjudged is None and judged.served_tier == "standard"
+    board = board_with(clock, owner_load(clock, 0.5))
+    assert board.place("critical", 10).unjudged == "no fresh load"  # at standard: nothing
+    clock.now += 3.5  # the owner's load went stale
+    assert board.place("critical", 10).unjudged == "no fresh load"
+    board.update(PublishedLoad("owner", clock.now, load(5.0, workers=0), {}))
+    assert board.place("critical", 10).unjudged == "no workers"
+    board.update(PublishedLoad("owner", clock.now + 0.1, load(5.0, calibrated=False), {}))
+    placement = board.place("critical", 10)
+    assert (placement.served_tier, placement.unjudged) == ("critical", "uncalibrated predictor")
+    assert board.place("standard", 10).unjudged is None  # no rule at standard: nothing to judge
+
+
 def test_an_older_load_of_the_same_owner_does_not_replace_a_newer_one():
     clock = Clock()
     board = board_with(clock, owner_load(clock, 0.0))
