@@ -25,7 +25,7 @@ from gateway.authz import Authorizer
 from gateway.config import GatewayConfig
 from gateway.keys import KeyStore
 from gateway.metrics import GatewayMetrics
-from tierflow.heap import freeze_startup_heap
+from tierflow.heap import freeze_startup_heap, time_collections
 from tierflow.identity import Identity, Role, add_port, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
@@ -130,6 +130,7 @@ async def serve(config: GatewayConfig) -> None:
     # Built inside the running loop: a grpc.aio server binds to the loop it was created on.
     gateway = Gateway(config)  # loads the keys and the tiers
     log.info("startup heap frozen", gc_objects=freeze_startup_heap())  # (tierflow.heap)
+    time_collections(gateway.metrics.registry, config.deployment)
     await gateway.run()
 
 

@@ -44,7 +44,7 @@ from queue_service.scheduler import (
 from queue_service.trust import Trust
 from queue_service.workers.api import WorkerApi
 from tierflow.catalogue import load_model_info
-from tierflow.heap import freeze_startup_heap
+from tierflow.heap import freeze_startup_heap, time_collections
 from tierflow.identity import Identity, Role, add_port, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
@@ -344,6 +344,7 @@ async def serve(config: QueueServiceConfig) -> None:
     # Built inside the running loop: a grpc.aio server binds to the loop it was created on.
     service = QueueService(config)  # loads the tokenizer, the tiers, the predictor
     log.info("startup heap frozen", gc_objects=freeze_startup_heap())  # (tierflow.heap)
+    time_collections(service.metrics.registry, config.deployment)
     await service.run()
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from tierflow.heap import freeze_startup_heap
+from tierflow.heap import freeze_startup_heap, time_collections
 from tierflow.identity import PLAINTEXT_WARNING, Identity, TlsFiles, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments
@@ -236,4 +236,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # The model and the engine are loaded: no collection walks them while serving.
     main_log.info("startup heap frozen", gc_objects=freeze_startup_heap())  # (tierflow.heap)
+    time_collections(worker.metrics.registry, config.deployment)
     return worker.run()
