@@ -113,14 +113,16 @@ def test_a_request_admitted_without_a_judgement_is_counted_with_the_reason(tmp_p
             stream.close()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
         counted = {
             (s.labels["tier"], s.labels["reason"]): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
+            for s in samples
             if s.name == "tierflow_admission_unjudged_total"
         }
         assert list(counted) in ([("critical", "no fresh load")], [("critical", "no workers")])
         assert list(counted.values()) == [1.0]
+        # The service times its garbage collections (tierflow.heap), the young ones at least.
+        assert any(s.name == "tierflow_gc_pause_seconds_count" and s.value for s in samples)
     finally:
         qs.stop()
 
