@@ -12,8 +12,13 @@
 - ``publish`` (an executor thread per call, it blocks until the broker's ack) and
   ``finished`` (any thread; the consumer thread commits) are called from the loop.
 - probe thread (``KafkaBreaker``): while Kafka is known to be down, every write (requests,
-  replies, request-log records) fails at once instead of waiting for the producer's timeout;
-  ``available`` says which (the service's health reads it).
+  replies, loads, request-log records) fails at once instead of waiting for the producer's
+  timeout; ``available`` says which (the service's health reads it). A failed write of any
+  kind opens it, so the shared producer is renewed once Kafka answers: after a broker stall
+  that expired a batch it was retrying, kafka-python 3.0's idempotent producer drops its
+  producer id and never fetches a new one, and sends nothing again (seen with SIGSTOP: an
+  instance that sent only loads and replies failed every write, 20 s apart, each after its
+  whole timeout, until a failed request write happened to trip the breaker).
 """
 
 from __future__ import annotations
@@ -86,11 +91,13 @@ class KafkaBridge:
         self.instance_id = instance_id
         self.max_live = max_live
         self.live_count = live_count  # read from the consumer thread: a len(), no lock needed
-        self.request_log = RequestLog(settings)
+        self.breaker = KafkaBreaker.for_kafka(settings, on_recovered=self.renew_clients)
+        # Every kind of write goes through the breaker, not only requests: they share one
+        # producer, and an instance that only sends loads and replies must renew it too.
+        self.request_log = RequestLog(settings, guard=self.breaker.call)
         self.consumer = PriorityConsumer(settings, tiers)
         self.replies = ReplyConsumer(settings, instance_id, create_topic=False)
         self.capacity = TailConsumer(settings, settings.capacity_topic, queue_pb2.TierCapacity)
-        self.breaker = KafkaBreaker.for_kafka(settings, on_recovered=self.renew_clients)
         self._renew_consumer = threading.Event()
         self.kafka_waiting: dict[str, int] = dict.fromkeys(tiers.names, 0)  # for the metrics
         self.owned_tiers: frozenset[str] = frozenset()  # tiers with a partition assigned here

@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import structlog
 from google.protobuf.message import DecodeError, Message
@@ -134,12 +134,22 @@ def ensure_topics(
 
 # ---------------------------------------------------------------------------------- producer
 
+Guard = Callable[..., None]
+
+
+def direct(write: Callable[..., None], *args: object) -> None:
+    """The guard of a RequestLog without a breaker: just the write."""
+    write(*args)
+
 
 class RequestLog:
     """Writes accepted requests to their tier's topic, and replies to other instances."""
 
-    def __init__(self, settings: KafkaSettings) -> None:
+    def __init__(self, settings: KafkaSettings, *, guard: Guard = direct) -> None:
+        """``guard(write, *args)`` runs each queued write (replies, loads, request-log records):
+        the bridge passes its breaker's ``call``, so that a failed one trips the breaker too."""
         self.settings = settings
+        self._guard = guard
         try:
             self._producer = KafkaProducer(**settings.producer_config())
         except KafkaError as exc:
@@ -191,7 +201,9 @@ class RequestLog:
         self, topic: str, key: str, message: Message, failure: str, **context: str
     ) -> concurrent.futures.Future[None]:
         """Send on the one sending thread, in order; a failure is logged with ``context``."""
-        future = self._reply_sender.submit(self._send_and_wait, topic, key, message, None)
+        future = self._reply_sender.submit(
+            self._guard, self._send_and_wait, topic, key, message, None
+        )
 
         def log_failure(done: concurrent.futures.Future[None]) -> None:
             if not done.cancelled() and done.exception() is not None:

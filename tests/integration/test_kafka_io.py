@@ -15,7 +15,9 @@ earlier can still come.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -282,6 +284,74 @@ def test_the_bridge_renews_its_consumer_after_an_outage_and_loses_nothing(
         bridge.stop()
         loop.call_soon_threadsafe(loop.stop)
     assert committed(settings, "standard") == after.offset + 1
+
+
+def test_loads_and_replies_reach_kafka_again_after_the_broker_stalled(
+    own_broker: LocalKafkaBroker, topic_prefix: str, tmp_path: Path
+) -> None:
+    """A broker that stalls (its JVM stopped by SIGSTOP, as in a long GC pause) while an
+    instance sends only loads and replies, never a request. A batch that was sent, timed out and
+    expired while it was retried makes kafka-python 3.0 drop its producer id and never fetch a
+    new one: the producer sends nothing again, and each queued write fails after its whole
+    timeout, one after another. A failed load or reply must trip the breaker like a failed
+    request does, so that the producer is renewed once the broker answers. Short producer
+    timeouts make the expiry fall inside the stall."""
+    settings = KafkaSettings(
+        bootstrap=own_broker.bootstrap,
+        topic_prefix=topic_prefix,
+        group_id=f"{topic_prefix}q",
+        request_timeout_ms=2_000,
+        delivery_timeout_ms=4_000,
+        max_block_ms=4_000,
+    )
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    loads: queue.Queue[str] = queue.Queue()
+    replies: queue.Queue[str] = queue.Queue()
+    bridge = KafkaBridge(settings, UNIT_TIERS, "stall", max_live=100, live_count=lambda: 0)
+    bridge.start(
+        loop,
+        lambda record, d: None,
+        lambda reply: replies.put(reply.request_id),
+        lambda load: loads.put(load.instance_id),
+    )
+    pid = int((tmp_path / "kafka" / "broker.pid").read_text())
+    sent = 0
+
+    def send_until(stop_at: float) -> None:  # what the service does: a load every 0.2 s
+        nonlocal sent
+        while time.monotonic() < stop_at:
+            sent += 1
+            bridge.publish_capacity(queue_pb2.TierCapacity(tier="batch", instance_id=f"{sent}"))
+            bridge.publish_reply("stall", queue_pb2.ReplyRecord(request_id=f"{sent}"))
+            time.sleep(0.2)
+
+    try:
+        send_until(time.monotonic() + 1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            send_until(time.monotonic() + 8)  # past the request and the delivery timeout
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed = sent
+        deadline = time.monotonic() + DEADLINE_S
+        seen_load = seen_reply = 0
+        while seen_load <= resumed or seen_reply <= resumed:
+            assert time.monotonic() < deadline, (
+                f"nothing sent after the stall arrived (last load {seen_load}, reply "
+                f"{seen_reply}, stall ended after {resumed})"
+            )
+            send_until(time.monotonic() + 0.5)
+            while not loads.empty():
+                seen_load = max(seen_load, int(loads.get()))
+            while not replies.empty():
+                seen_reply = max(seen_reply, int(replies.get()))
+    finally:
+        # stop() sends what is queued: with a wedged producer each write would take its whole
+        # timeout, so whatever happened, a fresh producer sends them.
+        bridge.request_log.renew_producer()
+        bridge.stop()
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def wait_until(condition: Callable[[], bool]) -> None:
