@@ -48,7 +48,7 @@ from tierflow.heap import freeze_startup_heap, time_collections
 from tierflow.identity import Identity, Role, add_port, add_tls_arguments
 from tierflow.logging import configure_logging
 from tierflow.metrics import add_metrics_arguments, serve_metrics
-from tierflow.tiers import load_tiers
+from tierflow.tiers import TierTable, load_tiers
 from tierflow.v1 import queue_pb2, serving_pb2, worker_pb2, worker_pb2_grpc
 
 log = structlog.get_logger("queue_service")
@@ -58,6 +58,25 @@ READINESS_CHECK_S = 0.2  # how often health follows the workers and Kafka
 CLIENT_SERVICES = ("", "tierflow.v1.Tierflow")  # NOT_SERVING without a worker or Kafka
 
 
+def _scheduler(config: QueueServiceConfig, tiers: TierTable) -> Scheduler:
+    """The scheduler with the configured policy, predictor (a calibration file's, refitted
+    online unless ``refit_predictor`` is off) and shedding limit."""
+    predictor = (
+        PrefillTimePredictor.load(config.predictor_file)
+        if config.predictor_file
+        else PrefillTimePredictor()
+    )
+    return Scheduler(
+        make_policy(config.policy),
+        tiers,
+        predictor,
+        SchedulerConfig(
+            max_queued_sheddable=config.max_queued_sheddable,
+            refit_predictor=config.refit_predictor,
+        ),
+    )
+
+
 class QueueService:
     """Builds the parts and owns their lifetimes."""
 
@@ -65,20 +84,7 @@ class QueueService:
         self.config = config
         info = load_model_info(config.model)
         tiers = load_tiers(config.tiers_file)
-        predictor = (
-            PrefillTimePredictor.load(config.predictor_file)
-            if config.predictor_file
-            else PrefillTimePredictor()
-        )
-        scheduler = Scheduler(
-            make_policy(config.policy),
-            tiers,
-            predictor,
-            SchedulerConfig(
-                max_queued_sheddable=config.max_queued_sheddable,
-                refit_predictor=config.refit_predictor,
-            ),
-        )
+        scheduler = _scheduler(config, tiers)
         self.slos_s = {t.name: t.ttft_slo_s for t in tiers}
         self.tbt_slos_s = {t.name: t.tbt_slo_s for t in tiers}
         self.metrics = QueueServiceMetrics(config.deployment, self.slos_s, self.tbt_slos_s)
@@ -129,10 +135,17 @@ class QueueService:
             trust=trust,
         )
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
-        add_client_api(self.clients, self.server)  # a request that does not parse: INVALID_ARGUMENT
-        worker_pb2_grpc.add_WorkerControlServicer_to_server(self.workers, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server = self._grpc_server()
+        self.port = add_port(
+            self.server, config.listen, config.tls_dir, Identity(Role.QUEUE_SERVICE), log
+        )
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """The client, worker and health services on one server, with reflection."""
+        server = grpc.aio.server()
+        add_client_api(self.clients, server)  # a request that does not parse: INVALID_ARGUMENT
+        worker_pb2_grpc.add_WorkerControlServicer_to_server(self.workers, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
                 serving_pb2.DESCRIPTOR.services_by_name["Tierflow"].full_name,
@@ -140,11 +153,9 @@ class QueueService:
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
-            self.server,
+            server,
         )
-        self.port = add_port(
-            self.server, config.listen, config.tls_dir, Identity(Role.QUEUE_SERVICE), log
-        )
+        return server
 
     def _request_ended(self, live: LiveRequest, now: float) -> None:
         """One request-log record per request, counted by the metrics from the same record."""
