@@ -70,8 +70,8 @@ def attend_block(
         stacked, keys[:, :, :past], values[:, :, :past], 0.0, False, scale=attn.scaling
     )[:2]
     seen, seen_lse = seen.reshape(b, heads, r, d), seen_lse.reshape(b, heads, r)
-    top = torch.maximum(own_lse, seen_lse)
-    w_own = (own_lse - top).exp().unsqueeze(-1)
-    w_seen = (seen_lse - top).exp().unsqueeze(-1)
-    out = (own.float() * w_own + seen.float() * w_seen) / (w_own + w_seen)
+    # Each part weighs by its share of the softmax's denominator: own's share is
+    # e^own / (e^own + e^seen), a sigmoid of the difference; one lerp merges them.
+    own_share = torch.sigmoid(own_lse - seen_lse).unsqueeze(-1)
+    out = torch.lerp(seen.float(), own.float(), own_share)
     return attn.o_proj(out.to(own.dtype).transpose(1, 2).reshape(b, r, -1))
