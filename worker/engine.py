@@ -258,7 +258,8 @@ class PrefillEngine:
                     # the block, a stop at a chunk's start took 45-98 ms, not 25). Then an
                     # interruption point: the chunk's set-up is a step of its own.
                     for layer_type in set(self.layer_types):
-                        state.context.block_mask(layer_type, self._additive_mask)
+                        if self._needs_block_mask(state.context, layer_type):
+                            state.context.block_mask(layer_type, self._additive_mask)
                     if _boundary(channel if check_chunks else None, None):
                         return self._stop(task, channel)
             chunk = state.chunk
@@ -396,10 +397,7 @@ class PrefillEngine:
             )
             return out
 
-        out = self._row_blocks(
-            ATTENTION, h.shape[1], ctx.start, block, state, planner, stop, between
-        )
-        return None if out is None else h + out
+        return self._row_blocks(ATTENTION, h, ctx.start, block, state, planner, stop, between)
 
     def _mlp_half(self, layer, h, state, planner, stop, between) -> torch.Tensor | None:
         normed = layer.post_attention_layernorm(h)
@@ -407,13 +405,12 @@ class PrefillEngine:
         def block(a: int, b: int) -> torch.Tensor:
             return layer.mlp(normed[:, a:b])
 
-        out = self._row_blocks(MLP, h.shape[1], 0, block, state, planner, stop, between)
-        return None if out is None else h + out
+        return self._row_blocks(MLP, h, 0, block, state, planner, stop, between)
 
     def _row_blocks(
         self,
         operator: str,
-        rows: int,
+        residual: torch.Tensor,
         past_keys: int,
         block: Callable[[int, int], torch.Tensor],
         state: ExecutionState,
@@ -421,12 +418,15 @@ class PrefillEngine:
         stop: PreemptionChannel | None,
         between: BetweenLayers | None,
     ) -> torch.Tensor | None:
-        """One operator over its rows, in the blocks ``planner`` sizes (whole when it is None),
-        from ``state.rows_done``. Between two blocks: ``_boundary`` (``stop``: None when stops
-        are not time-bounded). Returns the operator's output, or None when stopped; ``state``
-        then keeps the rows done and their output."""
+        """One operator over the rows of ``residual`` (its input stream), in the blocks
+        ``planner`` sizes (whole when it is None), from ``state.rows_done``. Between two
+        blocks: ``_boundary`` (``stop``: None when stops are not time-bounded). Returns
+        ``residual`` plus the operator's output, or None when stopped; ``state`` then keeps the
+        rows done and their sums. Each block adds its rows into the result as it ends: one pass
+        over them, not a copy and then a whole-chunk add."""
+        rows = residual.shape[1]
         if planner is None:
-            return block(0, rows)
+            return residual + block(0, rows)
         a, out = state.rows_done, state.partial
         entered = a
         clock = self._block_clock
@@ -440,12 +440,18 @@ class PrefillEngine:
             clock.stop(operator, b - a, past_keys + b)
             if out is None:
                 if b == rows:  # one block: the operator fit the budget
-                    return y
-                out = y.new_empty((y.shape[0], rows, *y.shape[2:]))
-            out[:, a:b] = y
+                    return residual + y
+                out = torch.empty_like(residual)
+            torch.add(residual[:, a:b], y, out=out[:, a:b])
             a = b
         state.rows_done, state.partial = 0, None
         return out
+
+    def _needs_block_mask(self, ctx: ChunkContext, layer_type: str) -> bool:
+        """Whether row blocks of this chunk slice an explicit mask: not where the chunk takes
+        SDPA's causal fast path and later blocks attend unmasked (``attend_block``), which
+        spares a 4096-token prompt a 64 MB mask per layer type."""
+        return ctx.masks[layer_type] is not None or not self._unmasked_blocks
 
     def _block_mask(self, mask, ctx: ChunkContext, layer_type: str, a: int, b: int):
         """The chunk's mask for query rows [a, b) against the keys [0, start + b) they see."""

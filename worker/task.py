@@ -90,7 +90,8 @@ class ExecutionState:
     hidden: torch.Tensor | None = None  # activations between two operators of the current chunk
     context: ChunkContext | None = None
     # Stopped inside an operator, between two row blocks (worker.row_blocks): the rows done
-    # and the operator's output for them (rows past ``rows_done`` are not written yet).
+    # and, for them, the operator's input plus its output (rows past ``rows_done`` are not
+    # written yet).
     rows_done: int = 0
     partial: torch.Tensor | None = None
 
