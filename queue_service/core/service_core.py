@@ -217,6 +217,14 @@ class ServiceCore:
             return
         live = LiveRequest(record=record, delivery=delivery, arrived_at=self._arrival(record))
         self.live[request_id] = live
+        # When the scheduler first hears of it: a slow Kafka delivery and a decision to let it
+        # wait look alike from the client's side.
+        log.info(
+            "delivered",
+            request_id=request_id,
+            tier=record.tier,
+            since_admission_ms=round((self.clock() - live.arrived_at) * 1000, 1),
+        )
         counted = self.counted_through.setdefault(record.tier, {})
         counted[record.reply_to] = max(counted.get(record.reply_to, 0), record.arrival_unix_ms)
         self.dispatcher.handle(

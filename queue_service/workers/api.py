@@ -67,6 +67,8 @@ class RemoteWorker:
         self._outbox.put_nowait(worker_pb2.ControlMessage(resume=resume))
 
     def preempt(self, request_id: str, drop_state: bool) -> None:
+        # Logged when decided: a preemption that the worker acknowledges late, or never, shows.
+        log.info("preempt sent", request_id=request_id, drop_state=drop_state)
         preempt = worker_pb2.Preempt(request_id=request_id, drop_state=drop_state)
         self._outbox.put_nowait(worker_pb2.ControlMessage(preempt=preempt))
 
