@@ -310,7 +310,8 @@ class _Run:
     def _arrive(self, arrival: Arrival) -> None:
         record = self.records[arrival.request_id]
         record.arrived_at = self.start + arrival.at_s
-        tier = record.served_tier = self._place(arrival)
+        tier, predicted_ttft_s = self._place(arrival)
+        record.served_tier = tier
         if tier is None:
             self.unfinished -= 1  # refused at admission: record.rejected says why
             return
@@ -324,14 +325,16 @@ class _Run:
                 arrival.max_new_tokens,
                 arrival_s=arrival.at_s,
                 key_id=arrival.key_id,
+                admission_ttft_s=predicted_ttft_s,
             )
         )
 
-    def _place(self, arrival: Arrival) -> str | None:
-        """The tier the request is served at: the overflow rules of ``config/tiers.toml``
-        applied by the service's own ``CapacityBoard``, fed the scheduler's exact loads."""
+    def _place(self, arrival: Arrival) -> tuple[str | None, float | None]:
+        """The tier the request is served at (None: refused) and the TTFT admission predicted
+        for it there (None: not judged): the overflow rules of ``config/tiers.toml`` applied
+        by the service's own ``CapacityBoard``, fed the scheduler's exact loads."""
         if self.admission is None:
-            return arrival.tier
+            return arrival.tier, None
         now = self.now()
         scheduler = self.dispatcher.scheduler
         for tier in self.tiers.judged():
@@ -342,7 +345,7 @@ class _Run:
             self.log.admission(arrival.request_id, placement)
         if placement.served_tier is None:
             self.records[arrival.request_id].rejected = placement.refusal.reason()
-        return placement.served_tier
+        return placement.served_tier, placement.predicted_ttft_s
 
     def _record(self, event: RunnerEvent) -> None:
         if self.log is not None:

@@ -112,6 +112,13 @@ class Placement:
     unjudged: str | None = None
 
     @property
+    def predicted_ttft_s(self) -> float | None:
+        """The TTFT the admitting rule predicted, before the error it added (what that
+        error is measured against once the first token is out); None: no rule applied."""
+        verdict = self.admitting
+        return None if verdict is None else verdict.predicted_ttft_s - verdict.error_s
+
+    @property
     def downgraded(self) -> bool:
         return self.served_tier is not None and self.served_tier != self.requested_tier
 

@@ -224,6 +224,7 @@ class ServiceCore:
             request_id=request_id,
             tier=record.tier,
             since_admission_ms=round((self.clock() - live.arrived_at) * 1000, 1),
+            admission_predicted_ms=round(record.admission_predicted_ttft_s * 1000, 1),
         )
         counted = self.counted_through.setdefault(record.tier, {})
         counted[record.reply_to] = max(counted.get(record.reply_to, 0), record.arrival_unix_ms)
@@ -236,6 +237,7 @@ class ServiceCore:
                 arrival_s=live.arrived_at,  # the deadline counts from admission
                 key_id=record.key_id,
                 key_weight=record.key_weight or 1.0,
+                admission_ttft_s=record.admission_predicted_ttft_s or None,
             )
         )
         if request_id in self.live and not self.dispatcher.handles:

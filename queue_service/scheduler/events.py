@@ -29,6 +29,9 @@ class RequestArrived:
     arrival_s: float | None = None
     key_id: str = ""  # the API key's label: fair order between the keys of a tier
     key_weight: float = 1.0  # the key's share of its tier (``weight`` in config/keys.toml)
+    # The TTFT admission predicted for it (``capacity.judge``, before the error it adds), on
+    # the instance that admitted it; None: not judged. Its first token measures that error.
+    admission_ttft_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from queue_service.scheduler.admission_error import AdmissionErrors
 from queue_service.scheduler.capacity import (
     KeyLoad,
     TierLoad,
-    judge,
     key_share_s,
     tier_capacity_s,
 )
@@ -268,8 +267,8 @@ class Scheduler:
             key_weight=ev.key_weight,
             progress_at_s=now,
         )
-        if self.admission_errors.judged(tier.name) and self.predictor.calibrated:
-            req.admission_ttft_s = self._admission_ttft_s(req, now)
+        if self.admission_errors.judged(tier.name):
+            req.admission_ttft_s = ev.admission_ttft_s  # admission's own (None: not judged)
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
@@ -309,23 +308,6 @@ class Scheduler:
     def _on_time(self, req: Request, now: float) -> bool:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
-
-    def _admission_ttft_s(self, req: Request, now: float) -> float | None:
-        """The TTFT admission predicts for ``req`` on this instance's loads, before ``req``
-        counts in them and before the error admission adds (``capacity.judge``, as
-        ``CapacityBoard.place`` asks it): kept to measure that error once its first token is
-        out. Asked only once the predictor is calibrated (admission does not judge before)."""
-        tier = req.tier
-        above = [self.tier_load(t.name, now) for t in self.tiers if t.rank < tier.rank]
-        verdict = judge(
-            tier,
-            [self.tier_load(tier.name, now)],
-            req.prompt_tokens,
-            key_id=req.key_id,
-            key_weight=req.key_weight,
-            above=above,
-        )
-        return verdict.predicted_ttft_s - verdict.error_s if verdict is not None else None
 
     def _burst_credit_s(self, req: Request, now: float) -> float:
         """The key's share of its tier, as admission reckons it (``capacity.key_share_s``):

@@ -394,6 +394,15 @@ def test_a_downgrade_is_visible_on_grpc_json_and_the_request_log(capacity_edge):
     for request_id in ("down-grpc", "down-json"):
         record = records[demo_scoped("critical", request_id)]
         assert (record["tier"], record["requested_tier"]) == ("standard", "critical")
+    # Admission judged each at the tier that serves it, and its prediction went with the
+    # request to the owner, which measures admission's error against it.
+    queued = {
+        r["value"]["request_id"]: r["value"]
+        for r in read_topic(capacity_edge.kafka, capacity_edge.kafka.tier_topic("standard"))
+    }
+    for request_id in ("down-grpc", "down-json"):
+        record = queued[demo_scoped("critical", request_id)]
+        assert record["admission_predicted_ttft_s"] > 0
 
 
 def test_the_openai_sdk_sees_the_tier_that_served_it(capacity_edge):

@@ -362,11 +362,15 @@ def serve_one_at_a_time(
 ) -> None:
     """``n`` critical 100-token requests of ``key_id``, each alone: its prefill takes the
     predicted 0.1 s, but its first token comes ``ttft_s`` after its arrival (what no prefill
-    counts: a decode step before it, say)."""
+    counts: a decode step before it, say). Each carries the TTFT that admission predicted for
+    it on the owner's load, as a queue service's admission stamps it on the request."""
     for i in range(first, first + n):
         t = float(i)
         rid = f"{key_id}c{i}"
-        scheduler.handle(RequestArrived(rid, "critical", 100, key_id=key_id), t)
+        verdict = judge(CRITICAL, [scheduler.tier_load("critical", t)], 100, key_id=key_id)
+        predicted_s = verdict.predicted_ttft_s - verdict.error_s
+        arrival = RequestArrived(rid, "critical", 100, key_id=key_id, admission_ttft_s=predicted_s)
+        scheduler.handle(arrival, t)
         scheduler.handle(PrefillFinished(rid, "w0", 100, 0.1), t + ttft_s)
         scheduler.handle(RequestDone(rid, "w0"), t + ttft_s)
 
@@ -407,6 +411,19 @@ def test_each_key_is_judged_on_its_own_errors_once_it_has_enough():
     assert not judge(CRITICAL, [load_now], 200, key_id="flood").admit
     # A key none of the owners names is judged on the tier's errors.
     assert judge(CRITICAL, [load_now], 200, key_id="new").error_s == pytest.approx(load_now.error_s)
+
+
+def test_only_a_request_that_admission_judged_measures_its_error():
+    scheduler = measured_scheduler()
+    for i in range(20):  # admission did not judge these (no prediction came with them)
+        scheduler.handle(RequestArrived(f"u{i}", "critical", 100), float(i))
+        scheduler.handle(PrefillFinished(f"u{i}", "w0", 100, 0.1), i + 0.3)
+        scheduler.handle(RequestDone(f"u{i}", "w0"), i + 0.3)
+    assert scheduler.admission_errors.summary() == {}
+    serve_one_at_a_time(scheduler, 20, 20, ttft_s=0.2)
+    # Each was predicted 0.1 s and took 0.2 s: the error is the carried prediction's.
+    assert scheduler.admission_errors.summary()["critical"]["n"] == 20
+    assert scheduler.tier_load("critical", 40.0).error_s == pytest.approx(0.1)
 
 
 def test_the_error_added_is_at_most_half_the_slo():
