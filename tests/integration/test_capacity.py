@@ -370,12 +370,22 @@ def capacity_edge(tmp_path_factory, kafka):
         yield stack
 
 
+def _wait_for_an_idle_standard_tier(edge) -> None:
+    """Until the owner publishes the standard tier idle: each 400-token prompt here is judged
+    at standard behind what it holds (1.2 x (0.4 + 0.4) s + the switch is 0.985 s against its
+    1 s SLO), and one queued or running before, in a load that reached admission late, gets
+    the next refused there (once on CI)."""
+    _wait_for_committed_load(edge.kafka, "standard", lambda seconds: seconds == 0, "idle")
+
+
 def test_a_downgrade_is_visible_on_grpc_json_and_the_request_log(capacity_edge):
+    _wait_for_an_idle_standard_tier(capacity_edge)
     with capacity_edge.client("critical") as client:
         done = client.complete(ids(400, seed=11), max_new_tokens=2, request_id="down-grpc")
         assert (done.tier, done.requested_tier) == ("standard", "critical")
         status = client.status("down-grpc")
         assert (status.tier, status.requested_tier) == ("standard", "critical")
+    _wait_for_an_idle_standard_tier(capacity_edge)
     body = {"tokenIds": {"ids": ids(400, seed=12)}, "requestId": "down-json", "maxNewTokens": 2}
     conn, reply = post_generate(capacity_edge.port, DEMO_KEYS["critical"], body, timeout=120)
     try:
@@ -406,6 +416,7 @@ def test_a_downgrade_is_visible_on_grpc_json_and_the_request_log(capacity_edge):
 
 
 def test_the_openai_sdk_sees_the_tier_that_served_it(capacity_edge):
+    _wait_for_an_idle_standard_tier(capacity_edge)
     client = openai.OpenAI(
         base_url=f"http://{capacity_edge.target}/v1",
         api_key=DEMO_KEYS["critical"],
