@@ -276,8 +276,8 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
         )
         if placement.unjudged is not None and placement.served_tier is not None:
             self.unjudged(placement.served_tier, placement.unjudged)
-        if placement.admitting is not None:  # the owner measures admission's error by it
-            record.admission_predicted_ttft_s = placement.predicted_ttft_s
+        # The owner measures admission's error against it (0: not judged).
+        record.admission_predicted_ttft_s = placement.predicted_ttft_s or 0.0
         if placement.served_tier is None:
             refusal = placement.refusal
             log.info("refused at capacity", request_id=record.request_id, tier=record.tier)

@@ -267,8 +267,7 @@ class Scheduler:
             key_weight=ev.key_weight,
             progress_at_s=now,
         )
-        if self.admission_errors.judged(tier.name):
-            req.admission_ttft_s = ev.admission_ttft_s  # admission's own (None: not judged)
+        req.admission_ttft_s = ev.admission_ttft_s  # admission's own (None: not judged)
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
