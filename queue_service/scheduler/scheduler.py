@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,7 +186,9 @@ class Scheduler:
         )
         self._requests: dict[str, Request] = {}  # live: not yet terminal
         # The live requests that wait for a prefill, sorted (``waiting_index``).
-        self._index = WaitingIndex(self.policy, self.predictor, self.config.starvation_s)
+        self._index = WaitingIndex(
+            self.policy, self.predictor, self.config.starvation_s, self._pack_limits
+        )
         # Tier -> key -> (live requests, the key's weight): who holds work in a tier.
         self._live_keys: dict[str, dict[str, list]] = {name: {} for name in tiers.names}
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
@@ -296,13 +298,27 @@ class Scheduler:
 
     def _prefilling(self) -> list[Request]:
         """The requests on the workers' prefills (running, packed or being preempted)."""
-        requests, found = self._requests, []
+        return [r for members in self._prefills() for r in members]
+
+    def _prefills(self) -> Iterator[list[Request]]:
+        """Per worker prefilling, its request, or its pack's members."""
+        requests = self._requests
         for worker in self._workers.values():
-            if worker.active and worker.active in requests:
-                found.append(requests[worker.active])
+            members = [requests[worker.active]] if worker.active in requests else []
             if worker.riders:
-                found += [requests[rid] for rid in worker.riders if rid in requests]
-        return found
+                members += [requests[rid] for rid in worker.riders if rid in requests]
+            if members:
+                yield members
+
+    def _prefill_work_left(self, now: float) -> Iterator[tuple[Request, float]]:
+        """Each request on the workers' prefills with its part of the work left there (a pack
+        pays one fixed cost: ``packing.work_left``)."""
+        for members in self._prefills():
+            if len(members) == 1:
+                yield members[0], self._estimator.prefill_left(members[0], now)
+            else:
+                left = packing.work_left(members, self._pack_cost, now)
+                yield from zip(members, left, strict=True)
 
     def _on_time(self, req: Request, now: float) -> bool:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
@@ -725,7 +741,7 @@ class Scheduler:
             )
         # The prefill backlog per serving worker (decoding holds no worker's prefill).
         backlog_s = self._index.backlog_s()
-        backlog_s += sum(self._estimator.prefill_left(r, now) for r in self._prefilling())
+        backlog_s += sum(left_s for _, left_s in self._prefill_work_left(now))
         wait = backlog_s / max(1, self._serving_workers())
         if wait > self.config.max_predicted_wait_s:
             return (
@@ -813,9 +829,8 @@ class Scheduler:
         running = dict.fromkeys(weights, 0.0)
         for key, waiting_s in self._index.committed_s(tier).items():
             by_key[key] += waiting_s
-        for r in self._prefilling():
+        for r, left_s in self._prefill_work_left(now):
             if r.tier.name == tier:
-                left_s = self._estimator.prefill_left(r, now)
                 by_key[r.key_id] += left_s
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s

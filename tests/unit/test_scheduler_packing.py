@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from queue_service.scheduler import (
     Assign,
     AssignPacked,
@@ -15,6 +17,7 @@ from queue_service.scheduler import (
     PreemptionAcked,
     PrefillFinished,
     PrefillTimePredictor,
+    RequestArrived,
     RequestCancelled,
     RequestDone,
     RequestState,
@@ -120,6 +123,46 @@ def test_a_pack_holds_one_tier_and_a_suspended_prefill_resumes_after_it():
     assert sched.state_of("x") is RequestState.QUEUED
     # Once the pack is done the suspended prefill resumes where it stopped.
     assert first_token(sched, "s", 1.0, pack_tokens=200, prefill_s=0.2) == [Resume("bg", "w0")]
+
+
+def test_a_pack_holds_one_key_and_the_other_keys_requests_pack_after_it():
+    """The flood's requests ranked after the calm key's first one do not ride in its pack
+    (they would delay its first token); the calm key's next request, ranked after them, does,
+    and the flood's form a pack of their own next."""
+    sched = batched()
+    busy_with(sched)
+
+    def keyed(rid, key, now):
+        event = RequestArrived(rid, "standard", 100, 0, key_id=key)
+        return step(sched, event, now)
+
+    assert keyed("c1", "calm", 0.1) == []
+    for i, rid in enumerate(("f1", "f2", "f3")):
+        assert keyed(rid, "flood", 0.11 + 0.01 * i) == []
+    assert keyed("c2", "calm", 0.2) == []
+    assert first_token(sched, "long", 0.4) == [AssignPacked(("c1", "c2"), "w0")]
+    flood = [AssignPacked(("f1", "f2", "f3"), "w0")]
+    assert first_token(sched, "c1", 0.6, pack_tokens=200, prefill_s=0.2) == flood
+
+
+def test_a_running_pack_counts_as_one_prefill_in_the_committed_work():
+    """Admission's load (``tier_load``) counts a running pack's predicted time, one fixed cost
+    for the pack, less the time it has run, and a waiting key's burst the same way."""
+    sched = Scheduler(
+        make_policy("flowprefill"),
+        TIERS,
+        PrefillTimePredictor(a=1e-3, b=0.0, c=0.05),  # 100 tokens alone: 0.15 s
+        SchedulerConfig(refit_predictor=False),
+    )
+    assert step(sched, WorkerJoined("w0", kv_slots=8), 0.0) == []
+    busy_with(sched)
+    for i, rid in enumerate(("a", "b", "c")):
+        assert arrive(sched, rid, "standard", 100, 0.1 + 0.01 * i) == []
+    # Waiting: 300 tokens and one fixed cost (0.35 s), not three (0.45 s).
+    assert sched.tier_load("standard", 0.3).committed_s == pytest.approx(0.35)
+    assert first_token(sched, "long", 0.5) == [AssignPacked(("a", "b", "c"), "w0")]
+    # Running since 0.5: 0.1 s of the pack's 0.35 s done.
+    assert sched.tier_load("standard", 0.6).committed_s == pytest.approx(0.25)
 
 
 def test_a_pack_gives_way_to_a_higher_tier_only():

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queue_service.scheduler import PrefillSample, PrefillTimePredictor, make_policy
+from queue_service.scheduler.packing import PackLimits
 from queue_service.scheduler.request import Request, RequestState
 from queue_service.scheduler.sliding_quantile import SlidingQuantile
 from queue_service.scheduler.waiting_index import WaitingIndex, left_features
@@ -65,6 +66,37 @@ def test_the_committed_work_follows_a_refit_of_the_predictor():
     assert idx.committed_s("standard") == pytest.approx({"k1": 0.8, "k2": 0.4})
     assert idx.backlog_s() == pytest.approx(1.2)
     assert idx.count("standard") == 3 and idx.count("critical") == 0
+
+
+def test_a_keys_short_fresh_prompts_pay_the_fixed_cost_once_a_pack():
+    """Packs of at most 3 prompts and 250 tokens: k1's four 100-token prompts fill two packs
+    (by tokens), its 600-token prompt is not packable; k2's one prompt is a pack alone. A
+    suspended prompt (work done) pays its own fixed cost."""
+    predictor = PrefillTimePredictor(a=1e-3, b=0.0, c=0.05)  # 100 tokens alone: 0.15 s
+    idx = WaitingIndex(make_policy("flowprefill"), predictor, 300.0, PackLimits(3, 250))
+    reqs = [request(i, STANDARD, tokens=100, key_id="k1") for i in (1, 2, 3, 4)]
+    reqs += [request(5, STANDARD, tokens=600, key_id="k1"), request(6, STANDARD, key_id="k2")]
+    for req in reqs:
+        idx.touch(req)
+    idx.sync(0.0, waits)
+    # k1: 1000 tokens = 1 s, + 2 packs' and the long prompt's fixed costs; k2: 0.1 + 0.05.
+    assert idx.committed_s("standard") == pytest.approx({"k1": 1.15, "k2": 0.15})
+    suspended = request(7, STANDARD, tokens=100, key_id="k2", tokens_done=50)
+    suspended.state = RequestState.SUSPENDED
+    idx.touch(suspended)
+    idx.sync(0.0, waits)
+    assert idx.committed_s("standard")["k2"] == pytest.approx(0.15 + 0.05 + 0.05)
+    # Without packing every prompt pays its own, and the sums return to zero when they leave.
+    alone = WaitingIndex(make_policy("flowprefill"), predictor, 300.0)
+    for req in reqs:
+        alone.touch(req)
+    alone.sync(0.0, waits)
+    assert alone.committed_s("standard") == pytest.approx({"k1": 1.25, "k2": 0.15})
+    for req in reqs:
+        req.state = RequestState.RUNNING
+        idx.touch(req)
+    idx.sync(0.0, waits)
+    assert idx.committed_s("standard") == pytest.approx({"k2": 0.1})
 
 
 def test_a_request_that_stops_waiting_leaves_and_the_sums_return_to_zero():
