@@ -33,7 +33,13 @@ other active key free for it:
 
     committed_s = c_k + sum_j max(r_j, min(c_j, w_j / w_k * max(0, c_k + own - B)))
                       + (sum_j max(0, share_j - c_j)  if 0 < c_k and k is over its share)
-    share_j     = W * (SLO - switch_s - error_s) / (1 + margin) * w_j / (sum of active w)
+    share_j     = W * (SLO - switch_s - error_j) / (1 + margin) * w_j / (sum of active w)
+
+A key's share is reckoned with its own error ``error_j`` (what admission adds for it), not
+the tier's: the tier's error is the flood's when one key floods, and reckoned with it a calm
+key's share, and so its burst credit, shrank to about one request (docs/results.md, "One key
+floods the critical tier": with the tier's error at 100-140 ms, the calm key's second request
+in a burst was dealt one for one with the flood's).
 
 A key that floods the tier fills at most what the others leave of it, and a key within its
 share is admitted ahead of the flood. With one key the formula is the one above.
@@ -141,11 +147,14 @@ def judge(
     margin = max(load.margin for load in calibrated)
     switch_s = max(load.switch_s for load in loads)
     tier_error_s = max(load.error_s for load in loads)
-    error_s = _key_error_s(loads, key_id, tier_error_s)
-    keys = _key_loads(loads, pending, prefill_s)
-    mine = keys.get(key_id, KeyLoad(key_id, key_weight, 0.0))
+    keys = _key_loads(loads, pending, prefill_s, tier_error_s)
+    mine = keys.get(key_id, KeyLoad(key_id, key_weight, 0.0, tier_error_s))
     keys[key_id] = dataclasses.replace(mine, weight=key_weight)
-    capacity_s = tier_capacity_s(workers, tier.ttft_slo_s, switch_s + tier_error_s, margin)
+    error_s = mine.error_s
+
+    def capacity_s(key: KeyLoad) -> float:  # with the key's own error: see the module's text
+        return tier_capacity_s(workers, tier.ttft_slo_s, switch_s + key.error_s, margin)
+
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     committed_s += sum(load.committed_s for load in above)
     wait_s = committed_s / workers
@@ -154,13 +163,6 @@ def judge(
         tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
         switch_s, error_s,
     )  # fmt: skip
-
-
-def _key_error_s(loads: Sequence[TierLoad], key_id: str, tier_error_s: float) -> float:
-    """The error admission adds for ``key_id``: the largest any owner measured for it, or the
-    tier's where no owner names the key."""
-    mine = [k.error_s for load in loads for k in load.keys if k.key_id == key_id]
-    return max(mine) if mine else tier_error_s
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,15 @@ class Pending:
 
 
 def _key_loads(
-    loads: Sequence[TierLoad], pending: Sequence[Pending], prefill_s: Callable[[int], float]
+    loads: Sequence[TierLoad],
+    pending: Sequence[Pending],
+    prefill_s: Callable[[int], float],
+    tier_error_s: float,
 ) -> dict[str, KeyLoad]:
-    """Per key, the committed work of every instance and of the pending admissions summed.
-    A load that names no keys (one from before keys were published) counts as key ""."""
+    """Per key, the committed work of every instance and of the pending admissions summed,
+    and the error admission adds for it: the largest any owner measured for it, or the
+    tier's where no owner names the key. A load that names no keys (one from before keys
+    were published) counts as key ""."""
     if len(loads) == 1 and not pending and loads[0].keys:
         # One instance's load (the scheduler judging on its own): its keys are the sums.
         (load,) = loads
@@ -186,23 +193,28 @@ def _key_loads(
             return keys
     keys = {}
 
-    def add(key_id: str, weight: float, seconds: float, running_s: float = 0.0) -> None:
-        before = keys.get(key_id, KeyLoad(key_id, 0.0, 0.0))
+    def add(
+        key_id: str, weight: float, seconds: float, running_s: float = 0.0, error_s: float = -1.0
+    ) -> None:
+        before = keys.get(key_id, KeyLoad(key_id, 0.0, 0.0, -1.0))
         keys[key_id] = KeyLoad(
             key_id,
             max(weight, before.weight),
             before.committed_s + seconds,
-            running_s=before.running_s + running_s,
+            max(error_s, before.error_s),
+            before.running_s + running_s,
         )
 
     for load in loads:
         named = sum(k.committed_s for k in load.keys)
         for key in load.keys:
-            add(key.key_id, key.weight, key.committed_s, key.running_s)
+            add(key.key_id, key.weight, key.committed_s, key.running_s, key.error_s)
         if load.committed_s > named + 1e-9:
             add("", 1.0, load.committed_s - named)
     for item in pending:
         add(item.key_id, item.weight, prefill_s(item.prompt_tokens))
+    unmeasured = [k for k in keys.values() if k.error_s < 0]  # no owner names it
+    keys.update((k.key_id, dataclasses.replace(k, error_s=tier_error_s)) for k in unmeasured)
     return keys
 
 
@@ -218,19 +230,22 @@ def tier_capacity_s(workers: int, slo_s: float, switch_s: float, margin: float) 
     return workers * max(0.0, slo_s - switch_s) / (1.0 + margin)
 
 
-def _ahead_s(keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: float) -> float:
+def _ahead_s(
+    keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: Callable[[KeyLoad], float]
+) -> float:
     """The committed work a newcomer of ``key_id`` waits for in fair order, with the unused
-    shares of the other keys kept free while its key is over its own share."""
+    shares of the other keys kept free while its key is over its own share (``capacity_s``:
+    the tier's capacity as a key's share of it is reckoned)."""
     mine = keys[key_id]
     others = [k for k in keys.values() if k.key_id != key_id]
     weights = [k.weight for k in keys.values()]
-    share = key_share_s(capacity_s, mine.weight, weights)
+    share = key_share_s(capacity_s(mine), mine.weight, weights)
     tag = max(0.0, mine.committed_s + own_s - share) / mine.weight  # past its burst credit
     ahead = mine.committed_s + sum(
         max(min(k.committed_s, k.weight * tag), k.running_s) for k in others
     )
     if mine.committed_s > 0 and mine.committed_s + own_s > share:
         ahead += sum(
-            max(0.0, key_share_s(capacity_s, k.weight, weights) - k.committed_s) for k in others
+            max(0.0, key_share_s(capacity_s(k), k.weight, weights) - k.committed_s) for k in others
         )
     return ahead

@@ -325,14 +325,15 @@ class Scheduler:
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
 
     def _burst_credit_s(self, req: Request, now: float) -> float:
-        """The key's share of its tier, as admission reckons it (``capacity.key_share_s``):
-        what fair order lets a key that was idle run ahead of the others."""
+        """The key's share of its tier, as admission reckons it (``capacity.key_share_s``,
+        with the key's own error): what fair order lets a key that was idle run ahead of the
+        others."""
         weights = dict(self._keys.active(req.tier.name, now - self.config.key_active_s))
         weights[req.key_id] = req.key_weight
         capacity_s = tier_capacity_s(
             self._serving_workers(),
             req.tier.ttft_slo_s,
-            self.switch_s() + self.admission_errors.error_s(req.tier.name),
+            self.switch_s() + self.admission_errors.error_s(req.tier.name, req.key_id),
             self.prediction_errors.margin(),
         )
         return key_share_s(capacity_s, req.key_weight, list(weights.values()))
