@@ -24,10 +24,13 @@ margin at that level refused even a calm key's lone requests (tried: 24 of 200 a
 
 They are kept per key too, because keys of one tier see different errors: fair order runs a
 calm key's requests before the flood's, so the flood's requests wait for the calm key's later
-arrivals and the calm key's do not. A key with fewer than ``min_samples`` measured requests is
-judged on its tier's errors. The error added is at most ``max_share_of_slo`` of the SLO, so that
-admission never closes a tier to every request: it keeps admitting the shortest and keeps
-measuring.
+arrivals and the calm key's do not. A key with fewer than ``key_min_samples`` measured requests
+is judged on its tier's errors, and the tier on none before ``min_samples``. A key's own few
+come first because the tier's errors are the busiest key's: under a flood the tier's error
+reached its cap (150 ms) and a calm key judged on it for its first 20 requests had 20 of them
+refused (docs/results.md, "One key floods the critical tier"). The error added is at most
+``max_share_of_slo`` of the SLO, so that admission never closes a tier to every request: it
+keeps admitting the shortest and keeps measuring.
 """
 
 from __future__ import annotations
@@ -63,16 +66,18 @@ class AdmissionErrors:
         quantile: float = 0.99,
         window: int = 256,
         min_samples: int = 20,
+        key_min_samples: int = 5,
         max_share_of_slo: float = 0.5,
         remember_keys: int = 10_000,
     ) -> None:
         """``slos``: the TTFT SLO of each tier that admission judges."""
-        if not 0 < quantile < 1 or window < 1 or min_samples < 1:
+        if not 0 < quantile < 1 or window < 1 or min(min_samples, key_min_samples) < 1:
             raise ValueError("need 0 < quantile < 1, window >= 1 and min_samples >= 1")
         self.slos = dict(slos)
         self.quantile = quantile
         self.window = window
         self.min_samples = min_samples
+        self.key_min_samples = key_min_samples
         self.max_share_of_slo = max_share_of_slo
         self._tiers = {tier: _Errors(window) for tier in self.slos}
         self._keys: RecentMap[tuple[str, str], _Errors] = RecentMap(max(1, remember_keys))
@@ -96,10 +101,10 @@ class AdmissionErrors:
         """Seconds admission adds to its predictions for ``key_id`` of ``tier`` (the tier's
         own errors for a key measured too little, or None); 0 before ``min_samples``."""
         errors = self._keys.get((tier, key_id)) if key_id is not None else None
-        if errors is None or len(errors.samples) < self.min_samples:
+        if errors is None or len(errors.samples) < self.key_min_samples:
             errors = self._tiers.get(tier)
-        if errors is None or len(errors.samples) < self.min_samples:
-            return 0.0
+            if errors is None or len(errors.samples) < self.min_samples:
+                return 0.0
         cap = self.max_share_of_slo * self.slos[tier]
         return min(cap, max(0.0, errors.quantile(self.quantile)))
 

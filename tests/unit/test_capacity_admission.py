@@ -136,6 +136,24 @@ def test_another_keys_running_prefill_is_ahead_even_within_the_burst_credit():
     assert judge(CRITICAL, [beyond], 100, key_id="calm").predicted_ttft_s == pytest.approx(0.55)
 
 
+def test_a_keys_share_is_reckoned_with_its_own_error_not_the_floods():
+    # The flood's first tokens come 100 ms later than predicted, the calm key's on time; the
+    # tier's error is the flood's. With its own error the calm key's share is 0.15 s of the
+    # 0.3 s tier: its 0.06 s committed and 0.06 s newcomer are within its burst credit and none
+    # of the flood's work goes first. With the tier's error its share would be 0.1 s, and 0.02
+    # s of the flood would be dealt in ahead of it.
+    errors = dataclasses.replace(
+        keyed(flood=0.25, calm=0.06),
+        error_s=0.1,
+        keys=(KeyLoad("flood", 1.0, 0.25, error_s=0.1), KeyLoad("calm", 1.0, 0.06, error_s=0.0)),
+    )
+    verdict = judge(CRITICAL, [errors], 60, key_id="calm")
+    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.12)
+    assert verdict.error_s == 0.0
+    # A key no owner names yet is judged with the tier's error.
+    assert judge(CRITICAL, [errors], 60, key_id="new").error_s == pytest.approx(0.1)
+
+
 def test_a_keys_first_request_is_never_over_its_share():
     # With a 0.8 margin a key's share is 0.3 / 1.8 / 2 = 0.083 s, less than its 100 ms prompt.
     # With nothing of its own committed it is not over its share: nothing is reserved for the
@@ -398,13 +416,13 @@ def test_admission_learns_how_much_later_than_predicted_first_tokens_come_and_ad
 def test_each_key_is_judged_on_its_own_errors_once_it_has_enough():
     scheduler = measured_scheduler()
     serve_one_at_a_time(scheduler, 0, 20, ttft_s=0.25, key_id="flood")
-    serve_one_at_a_time(scheduler, 20, 19, ttft_s=0.1, key_id="calm")
-    load_now = scheduler.tier_load("critical", 39.0)
+    serve_one_at_a_time(scheduler, 20, 4, ttft_s=0.1, key_id="calm")
+    load_now = scheduler.tier_load("critical", 24.0)
     errors = {k.key_id: k.error_s for k in load_now.keys}
     assert errors["flood"] == pytest.approx(0.15)
     assert errors["calm"] == pytest.approx(0.15, abs=1e-3)  # too few yet: the tier's
-    serve_one_at_a_time(scheduler, 39, 1, ttft_s=0.1, key_id="calm")
-    load_now = scheduler.tier_load("critical", 40.0)
+    serve_one_at_a_time(scheduler, 24, 1, ttft_s=0.1, key_id="calm")  # 5: its own
+    load_now = scheduler.tier_load("critical", 25.0)
     errors = {k.key_id: k.error_s for k in load_now.keys}
     assert errors["calm"] == pytest.approx(0.0)
     assert judge(CRITICAL, [load_now], 200, key_id="calm").admit
