@@ -11,6 +11,7 @@ imports (``from tierflow.v1 import serving_pb2``) then resolve without path tric
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from importlib import resources
@@ -56,6 +57,15 @@ def write_descriptor_set(path: Path) -> Path:
     return path
 
 
+# The grpc stubs name the grpcio-tools release that wrote them; a newer release of the same
+# protos is not a stale stub (a fresh machine installs the newest, and `make test` checks).
+_GENERATOR_LINE = re.compile(rb"^GRPC_GENERATED_VERSION = .*$", re.MULTILINE)
+
+
+def _comparable(files: dict[str, bytes]) -> dict[str, bytes]:
+    return {name: _GENERATOR_LINE.sub(b"", data) for name, data in files.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.protogen")
     parser.add_argument("--check", action="store_true", help="fail if stubs are stale")
@@ -68,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         fresh = {p.name: p.read_bytes() for p in generate(Path(tmp))}
     if args.check:
         current = {p.name: p.read_bytes() for p in OUT_PACKAGE.glob("*") if p.is_file()}
-        if current != fresh:
+        if _comparable(current) != _comparable(fresh):
             stale = sorted(
                 set(current) ^ set(fresh) | {n for n in fresh if current.get(n) != fresh[n]}
             )
