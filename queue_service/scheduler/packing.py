@@ -180,7 +180,7 @@ def work_left(members: Sequence[Request], cost: PackCost, now: float) -> list[fl
     """Per member of a pack running on a worker, its part of the pack's predicted prefill
     left: the members' own predictions scaled to the pack's (``cost``: one fixed cost for the
     pack, not one a member), less the time the pack has run since its last report, split in
-    proportion to the members' own predictions. A member alone: its own prediction left."""
+    proportion to the members' own predictions."""
     single = cost.single
     own = [
         single.predict_partial(r.prompt_tokens, r.tokens_done, r.chunk_end, r.chunk_fraction)
@@ -190,7 +190,7 @@ def work_left(members: Sequence[Request], cost: PackCost, now: float) -> list[fl
     if total <= 0:
         return [0.0] * len(members)
     alone = sum(single.predict(r.prompt_tokens) for r in members)
-    packed = cost.predict(sum(r.prompt_tokens for r in members)) if len(members) > 1 else alone
+    packed = cost.predict(sum(r.prompt_tokens for r in members))
     run_s = now - max(r.progress_at_s for r in members)
     left = max(0.0, total * packed / alone - run_s)
     return [left * part / total for part in own]

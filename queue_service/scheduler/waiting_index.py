@@ -198,8 +198,9 @@ class WaitingIndex:
         special = req.due or req.prefilled
         late_at = req.deadline_s - left
         order = (self._policy.order_key(req, left), seq)
-        can_pack = self._pack_limits.max_size >= 2 and packable(req, self._pack_limits)
-        entry = _Entry(req, features, order, late_at, False, special, can_pack)
+        entry = _Entry(
+            req, features, order, late_at, False, special, packable(req, self._pack_limits)
+        )
         self._entries[seq] = entry
         self._seq_of[req.request_id] = seq
         self._added_since_check = True
