@@ -66,6 +66,7 @@ def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
                 committed_s=k.committed_s,
                 error_s=k.error_s,
                 running_s=k.running_s,
+                over_share=k.over_share,
             )
             for k in load.keys
         ],
@@ -87,7 +88,7 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
         coefficients=(a, b, c),
         calibrated=record.calibrated,
         keys=tuple(
-            KeyLoad(k.key_id, k.weight or 1.0, k.committed_s, k.error_s, k.running_s)
+            KeyLoad(k.key_id, k.weight or 1.0, k.committed_s, k.error_s, k.running_s, k.over_share)
             for k in record.keys
         ),
         error_s=record.error_s,

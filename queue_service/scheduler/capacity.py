@@ -22,27 +22,31 @@ A request is admitted at its tier when that is within the tier's SLO. The same r
 request whose own prefill alone exceeds the SLO.
 
 Between the keys of a tier (``fairness``) the scheduler serves in weighted fair order, so the
-work ahead of a newcomer of key k is not all the tier's committed work but its own key's ``c_k``
-and, of every other key j, what fair order runs first: ``min(c_j, w_j / w_k * max(0, c_k + own -
-B))``, or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later,
-does not preempt it), where ``B``, the burst credit of a key that was idle, is its share of the tier
-(``share_k`` below; ``fairness``). Fair order also lets another key's later requests run before
-it, up to that key's share of the tier. So while key k is over its own share (``c_k + own >
-share_k``, with work of its own already committed), admission keeps the unused share of every
-other active key free for it:
+work ahead of a newcomer of key k is not all the tier's committed work. Fair order lays each
+key's work out in virtual time from ``V``, less the key's burst credit ``B_j``: the tier's
+capacity (``capacity_j`` below, with key j's own error) for a key within its share of the
+tier's rate, 0 for a key over it (the owner publishes which, ``KeyLoad.over_share``). The
+newcomer finishes at ``f`` past ``V``; of every other key j, what lies before ``f`` runs first,
+or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later, does not
+preempt it). A key over its share of the rate, or holding more than its share of the tier's
+capacity with work of its own already committed (``c_k + own > share_k``, ``c_k > 0``), leaves
+the unused share of every other key within its share free: that key may send it any time and,
+with its credit, run it first.
 
-    committed_s = c_k + sum_j max(r_j, min(c_j, w_j / w_k * max(0, c_k + own - B)))
-                      + (sum_j max(0, share_j - c_j)  if 0 < c_k and k is over its share)
-    share_j     = W * (SLO - switch_s - error_j) / (1 + margin) * w_j / (sum of active w)
+    f           = (c_k + own - B_k) / w_k
+    committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + B_j)))
+                      + (sum_j max(0, share_j - c_j)  over keys j within their share,
+                         if k is over its share or c_k > 0 and c_k + own > share_k)
+    capacity_j  = W * (SLO - switch_s - error_j) / (1 + margin)
+    share_j     = capacity_j * w_j / (sum of active w)
 
 A key's share is reckoned with its own error ``error_j`` (what admission adds for it), not
 the tier's: the tier's error is the flood's when one key floods, and reckoned with it a calm
-key's share, and so its burst credit, shrank to about one request (docs/results.md, "One key
-floods the critical tier": with the tier's error at 100-140 ms, the calm key's second request
-in a burst was dealt one for one with the flood's).
+key's share shrank to about one request (docs/results.md, "One key floods the critical tier").
 
-A key that floods the tier fills at most what the others leave of it, and a key within its
-share is admitted ahead of the flood. With one key the formula is the one above.
+A key that floods the tier fills at most what the others' committed work and unused shares
+leave of it, and a key within its share has its whole burst ahead of the flood's waiting work.
+With one key the formula is the one above.
 
 A request downgraded to the next tier is judged there too, with the higher tiers' committed
 work added to ``committed_s`` (it runs first, on the same workers): it is served at the lower
@@ -71,6 +75,8 @@ class KeyLoad:
     # The part of ``committed_s`` prefilling on a worker now. Another key's newcomer waits for
     # it whatever fair order says: a same-tier request of a later deadline does not preempt it.
     running_s: float = 0.0
+    # The key sent the tier more than its share lately (``fairness``): no burst credit.
+    over_share: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,12 @@ def _key_loads(
     keys = {}
 
     def add(
-        key_id: str, weight: float, seconds: float, running_s: float = 0.0, error_s: float = -1.0
+        key_id: str,
+        weight: float,
+        seconds: float,
+        running_s: float = 0.0,
+        error_s: float = -1.0,
+        over_share: bool = False,
     ) -> None:
         before = keys.get(key_id, KeyLoad(key_id, 0.0, 0.0, -1.0))
         keys[key_id] = KeyLoad(
@@ -203,12 +214,13 @@ def _key_loads(
             before.committed_s + seconds,
             max(error_s, before.error_s),
             before.running_s + running_s,
+            before.over_share or over_share,
         )
 
     for load in loads:
         named = sum(k.committed_s for k in load.keys)
         for key in load.keys:
-            add(key.key_id, key.weight, key.committed_s, key.running_s, key.error_s)
+            add(key.key_id, key.weight, key.committed_s, key.running_s, key.error_s, key.over_share)
         if load.committed_s > named + 1e-9:
             add("", 1.0, load.committed_s - named)
     for item in pending:
@@ -219,8 +231,9 @@ def _key_loads(
 
 
 def key_share_s(capacity_s: float, weight: float, weights: Sequence[float]) -> float:
-    """A key's share of its tier's capacity (predicted prefill seconds in flight): also the
-    burst credit fair order gives it when it was idle (``fairness``)."""
+    """A key's share of its tier's capacity (predicted prefill seconds in flight): what
+    admission keeps free for a key within its share while another key's work waits past the
+    virtual time (``_ahead_s``)."""
     return capacity_s * weight / sum(weights)
 
 
@@ -234,18 +247,23 @@ def _ahead_s(
     keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: Callable[[KeyLoad], float]
 ) -> float:
     """The committed work a newcomer of ``key_id`` waits for in fair order, with the unused
-    shares of the other keys kept free while its key is over its own share (``capacity_s``:
-    the tier's capacity as a key's share of it is reckoned)."""
+    shares of the other keys within theirs kept free while its key is over its own
+    (``capacity_s``: the tier's capacity as a key's credit and share are reckoned)."""
     mine = keys[key_id]
     others = [k for k in keys.values() if k.key_id != key_id]
     weights = [k.weight for k in keys.values()]
-    share = key_share_s(capacity_s(mine), mine.weight, weights)
-    tag = max(0.0, mine.committed_s + own_s - share) / mine.weight  # past its burst credit
+
+    def credit_s(key: KeyLoad) -> float:
+        return 0.0 if key.over_share else capacity_s(key)
+
+    def share_s(key: KeyLoad) -> float:
+        return key_share_s(capacity_s(key), key.weight, weights)
+
+    finish = (mine.committed_s + own_s - credit_s(mine)) / mine.weight  # past V
     ahead = mine.committed_s + sum(
-        max(min(k.committed_s, k.weight * tag), k.running_s) for k in others
+        max(min(k.committed_s, max(0.0, k.weight * finish + credit_s(k))), k.running_s)
+        for k in others
     )
-    if mine.committed_s > 0 and mine.committed_s + own_s > share:
-        ahead += sum(
-            max(0.0, key_share_s(capacity_s(k), k.weight, weights) - k.committed_s) for k in others
-        )
+    if mine.over_share or (mine.committed_s > 0 and mine.committed_s + own_s > share_s(mine)):
+        ahead += sum(max(0.0, share_s(k) - k.committed_s) for k in others if not k.over_share)
     return ahead

@@ -14,13 +14,23 @@ time, is the smallest start tag of the tier's requests still to prefill, running
 that can still make their deadlines (a late one is no longer dealt a place, below): as
 in start-time fair queueing, the start tag of the request in service (the highest finish tag
 issued, when none is left), kept from going back. A key that floods runs its tags far ahead of
-``V``. A key that was idle gets a burst credit ``B``, its share of the tier as admission reckons
-it (``capacity.key_share_s``): its next ``B`` seconds of work start before ``V``, before the
-flood's waiting requests, and admission keeps that much free for it. Without it, fair order
-dealt a calm key's burst one for one with the flood's requests, so its second request in a burst
-waited for one of the flood's and its third for two: past a 0.3 s SLO. The credit is bounded and
-a key that stays busy never has it (its own finish tag is past ``V - B``), so a flood cannot use
-it.
+``V``.
+
+A key that sends within its share of the tier gets a burst credit ``B``: its next ``B``
+seconds of work start before ``V``, before the waiting requests of every key over its share.
+Within its share means that the predicted prefill seconds it sent a second, averaged over the
+last ``rate_window_s`` (``KeyBook.rate``), are at most its weight's share of the workers that
+serve the tier. ``B`` is the tier's whole capacity as admission reckons it
+(``capacity.tier_capacity_s``, with the key's own error), not the key's share of it: a key
+sending a quarter of the tier's capacity at random (Poisson) holds more than half of the
+tier's in-flight capacity for a quarter of its requests, and dealt one for one with a flood
+past that half, those requests missed. Its rate bounds what such a key takes over time, and
+admission what it holds at once. A key over its share gets no credit (plain start-time fair
+queueing). Standing is judged on the rate, not on the key's tags: admission throttles a flood,
+so between its admitted requests its tags fell behind ``V``, and a credit given to every key
+whose tags had fallen behind went to the flood too, whose newcomers then went before a calm
+key's burst (docs/results.md, "One key floods the critical tier": a calm request waited 450 ms
+while six later requests went first).
 
 The tier's requests then take the tier's places in the policy's ranking in start-tag order:
 
@@ -51,13 +61,20 @@ class KeyEntry:
     weight: float
     last_arrival_s: float
     finish_tag: float
+    # The predicted prefill seconds the key sent, decayed with ``rate_window_s`` to its last
+    # arrival: over the window, its rate (``KeyBook.rate``).
+    sent_s: float = 0.0
 
 
 class KeyBook:
-    """Per (tier, key): its weight, its last arrival and its finish tag; at most ``capacity``
-    keys remembered (the least recently seen forgotten first)."""
+    """Per (tier, key): its weight, its last arrival, its finish tag and the rate of work it
+    sends (predicted prefill seconds a second, decayed over ``rate_window_s``); at most
+    ``capacity`` keys remembered (the least recently seen forgotten first)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, rate_window_s: float = 2.0) -> None:
+        if not rate_window_s > 0:
+            raise ValueError(f"rate_window_s must be > 0, got {rate_window_s!r}")
+        self.rate_window_s = rate_window_s
         self._keys: RecentMap[tuple[str, str], KeyEntry] = RecentMap(capacity)
         self._top_tag: dict[str, float] = defaultdict(float)  # tier -> highest finish tag
         self._virtual: dict[str, float] = {}  # tier -> V, never decreasing
@@ -72,8 +89,8 @@ class KeyBook:
         """Record ``req``'s arrival and return its start tag. ``waiting``: the tier's other
         requests still to prefill, running or waiting, that can still make their deadlines
         (their tags give the virtual time: a late request's old tag would hold it back);
-        ``credit_s``: the burst credit of a key that was idle (``B``), asked only of a key
-        whose last finish tag is behind the virtual time (a busy key's never matters)."""
+        ``credit_s``: the key's burst credit (``B``, 0 for a key over its share), asked only
+        of a key whose last finish tag is behind the virtual time (a busy key's never matters)."""
         tier = req.tier.name
         now_virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
         virtual = self._virtual[tier] = max(self._virtual.get(tier, now_virtual), now_virtual)
@@ -82,9 +99,21 @@ class KeyBook:
         if start < virtual:
             start = max(start, virtual - credit_s() / req.key_weight)
         finish = start + predicted_s / req.key_weight
-        self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish)
+        sent_s = self._sent_s(before, req.arrival_s) + predicted_s
+        self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish, sent_s)
         self._top_tag[tier] = max(self._top_tag[tier], finish)
         return start
+
+    def rate(self, tier: str, key_id: str, now: float) -> float:
+        """The predicted prefill seconds a second the key sent the tier lately (an
+        exponentially decayed average over ``rate_window_s``); 0 for a key not remembered."""
+        return self._sent_s(self._keys.get((tier, key_id)), now) / self.rate_window_s
+
+    def _sent_s(self, entry: KeyEntry | None, now: float) -> float:
+        if entry is None:
+            return 0.0
+        age_s = max(0.0, now - entry.last_arrival_s)
+        return entry.sent_s * math.exp(-age_s / self.rate_window_s)
 
     def active(self, tier: str, since_s: float) -> Iterator[tuple[str, float]]:
         """(key, weight) of the tier's keys that sent a request at ``since_s`` or later.

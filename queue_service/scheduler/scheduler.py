@@ -34,7 +34,6 @@ from queue_service.scheduler.admission_error import AdmissionErrors
 from queue_service.scheduler.capacity import (
     KeyLoad,
     TierLoad,
-    key_share_s,
     tier_capacity_s,
 )
 from queue_service.scheduler.events import (
@@ -109,6 +108,12 @@ class SchedulerConfig:
     # comes back. At most ``remember_keys`` keys are remembered.
     key_active_s: float = 60.0
     remember_keys: int = 10_000
+    # A key is within its share of a tier while the predicted prefill seconds it sends a
+    # second, averaged over this window, stay within its weight's share of the workers; only
+    # then does fair order give it a burst credit (``fairness``). Long enough that a flood
+    # throttled by admission never looks within its share between its admitted requests,
+    # short enough that a key which stops flooding gets its credit back within seconds.
+    key_rate_window_s: float = 2.0
     # A decision plans over the head of the waiting queues only (``waiting_index``): per tier
     # this many of each order, and a pack's worth more per free worker. None: over every
     # waiting request, the full planner (the reference of tests/unit/test_scheduler_window.py).
@@ -134,6 +139,7 @@ class SchedulerConfig:
             "timer_resolution_s",
             "progress_decision_interval_s",
             "key_active_s",
+            "key_rate_window_s",
         ):
             value = getattr(self, name)
             if math.isnan(value) or value < 0:
@@ -192,7 +198,7 @@ class Scheduler:
         # Tier -> key -> (live requests, the key's weight): who holds work in a tier.
         self._live_keys: dict[str, dict[str, list]] = {name: {} for name in tiers.names}
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
-        self._keys = fairness.KeyBook(self.config.remember_keys)
+        self._keys = fairness.KeyBook(self.config.remember_keys, self.config.key_rate_window_s)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
@@ -325,18 +331,26 @@ class Scheduler:
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
 
     def _burst_credit_s(self, req: Request, now: float) -> float:
-        """The key's share of its tier, as admission reckons it (``capacity.key_share_s``,
-        with the key's own error): what fair order lets a key that was idle run ahead of the
-        others."""
-        weights = dict(self._keys.active(req.tier.name, now - self.config.key_active_s))
+        """What fair order lets the key run ahead of the keys over their share: the tier's
+        capacity as admission reckons it (``capacity.tier_capacity_s``, with the key's own
+        error) while the key is within its share, else nothing (``fairness``)."""
+        tier = req.tier.name
+        weights = dict(self._keys.active(tier, now - self.config.key_active_s))
         weights[req.key_id] = req.key_weight
-        capacity_s = tier_capacity_s(
+        if self._over_share(tier, req.key_id, req.key_weight / sum(weights.values()), now):
+            return 0.0
+        return tier_capacity_s(
             self._serving_workers(),
             req.tier.ttft_slo_s,
-            self.switch_s() + self.admission_errors.error_s(req.tier.name, req.key_id),
+            self.switch_s() + self.admission_errors.error_s(tier, req.key_id),
             self.prediction_errors.margin(),
         )
-        return key_share_s(capacity_s, req.key_weight, list(weights.values()))
+
+    def _over_share(self, tier: str, key_id: str, fraction: float, now: float) -> bool:
+        """Whether the key sent the tier more predicted prefill seconds a second lately than
+        ``fraction`` (its weight over the active keys' weights) of the serving workers
+        (``fairness.KeyBook.rate``)."""
+        return self._keys.rate(tier, key_id, now) > self._serving_workers() * fraction
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
         # The estimate of what is left gets sharper, and a request that chose to wait on the
@@ -835,13 +849,19 @@ class Scheduler:
                 by_key[r.key_id] += left_s
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s
+        total_weight = sum(weights.values())
         return TierLoad(
             tier=tier,
             workers=self._serving_workers(),
             committed_s=sum(by_key.values()),
             keys=tuple(
                 KeyLoad(
-                    k, weights[k], by_key[k], self.admission_errors.error_s(tier, k), running[k]
+                    k,
+                    weights[k],
+                    by_key[k],
+                    self.admission_errors.error_s(tier, k),
+                    running[k],
+                    self._over_share(tier, k, weights[k] / total_weight, now),
                 )
                 for k in sorted(by_key)
             ),

@@ -109,46 +109,76 @@ def test_a_key_over_its_share_leaves_the_other_active_keys_share_free():
     assert judge(CRITICAL, [keyed(flood=0.14)], 40, key_id="flood").admit
 
 
-def test_a_key_within_its_burst_credit_waits_for_none_of_another_keys_work():
-    # The calm key has 0.1 s committed; with its 0.05 s newcomer it is inside its burst credit
-    # (its share, 0.15 s of the 0.3 s tier), so fair order runs it before the flood's 0.25 s.
-    verdict = judge(CRITICAL, [keyed(flood=0.25, calm=0.1)], 50, key_id="calm")
+def flooding(flood: float, calm: float, *, running_s: float = 0.0, **changes) -> TierLoad:
+    """A critical load of a flood over its share of the tier's rate and a calm key within it."""
+    keys = (
+        KeyLoad("flood", 1.0, flood, running_s=running_s, over_share=True),
+        KeyLoad("calm", 1.0, calm),
+    )
+    return dataclasses.replace(keyed(flood=flood, calm=calm), keys=keys, **changes)
+
+
+def test_a_key_within_its_share_waits_for_none_of_the_waiting_work_of_a_key_over_its_share():
+    # The calm key has 0.1 s committed and a 0.05 s newcomer: within its burst credit (the
+    # tier's capacity, 0.3 s) fair order runs them before the flood's waiting 0.25 s.
+    verdict = judge(CRITICAL, [flooding(0.25, 0.1)], 50, key_id="calm")
     assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.15)
-    # Past it (0.25 + 0.1 - 0.15 = 0.2 s), as much of the flood's work is dealt in: 0.55 s.
-    beyond = judge(CRITICAL, [keyed(flood=0.25, calm=0.25)], 100, key_id="calm")
-    assert not beyond.admit and beyond.predicted_ttft_s == pytest.approx(0.25 + 0.2 + 0.1)
+    # Past its credit (0.25 + 0.1 - 0.3 = 0.05 s), as much of the flood's work is dealt in.
+    beyond = judge(CRITICAL, [flooding(0.25, 0.25)], 100, key_id="calm")
+    assert not beyond.admit and beyond.predicted_ttft_s == pytest.approx(0.25 + 0.05 + 0.1)
+    # Two keys within their share both have the credit: dealt one for one from V - 0.3 s, the
+    # newcomer (ending 0.15 s into it) waits for 0.15 s of the other key's work.
+    both = judge(CRITICAL, [keyed(flood=0.25, calm=0.1)], 50, key_id="calm")
+    assert both.predicted_ttft_s == pytest.approx(0.1 + 0.15 + 0.05)
+
+
+def test_a_key_over_its_share_gets_only_what_the_key_within_its_share_leaves():
+    # Nothing of its own committed, yet over its share of the rate: the calm key's committed
+    # 0.1 s runs first and its unused share (0.15 - 0.1 s) is kept free: 0.1 + 0.05 + 0.1 s.
+    verdict = judge(CRITICAL, [flooding(0.0, 0.1)], 100, key_id="flood")
+    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.25)
+    assert not judge(CRITICAL, [flooding(0.06, 0.1)], 100, key_id="flood").admit
+
+
+def test_a_key_that_any_owner_finds_over_its_share_is_over_it():
+    # Two owners, a worker each (capacity 0.6 s, 0.3 s a key). The flood's 0.2 s newcomer with
+    # nothing committed: within its share it is admitted; over it at either owner, the calm
+    # key's unused 0.3 s is kept free: 0.3 / 2 + 0.2 = 0.35 s.
+    within = [keyed(flood=0.0, calm=0.0), keyed(flood=0.0, calm=0.0)]
+    assert judge(CRITICAL, within, 200, key_id="flood").admit
+    over = [flooding(0.0, 0.0), keyed(flood=0.0, calm=0.0)]
+    verdict = judge(CRITICAL, over, 200, key_id="flood")
+    assert not verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.35)
 
 
 def test_another_keys_running_prefill_is_ahead_even_within_the_burst_credit():
     # As above, the calm key's 50-token newcomer is inside its burst credit, but 0.2 s of the
     # flood's work is prefilling now: a newcomer due later does not preempt it, so it waits.
-    running = dataclasses.replace(
-        keyed(flood=0.25, calm=0.1),
-        keys=(KeyLoad("flood", 1.0, 0.25, running_s=0.2), KeyLoad("calm", 1.0, 0.1)),
-    )
-    verdict = judge(CRITICAL, [running], 50, key_id="calm")
+    verdict = judge(CRITICAL, [flooding(0.25, 0.1, running_s=0.2)], 50, key_id="calm")
     assert not verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.1 + 0.2 + 0.05)
-    # Fair order's part counts when it is the larger: 0.2 s dealt in, 0.05 s running.
-    beyond = dataclasses.replace(
-        keyed(flood=0.25, calm=0.25),
-        keys=(KeyLoad("flood", 1.0, 0.25, running_s=0.05), KeyLoad("calm", 1.0, 0.25)),
+    # Fair order's part counts when it is the larger: 0.08 s dealt in, 0.05 s running.
+    beyond = flooding(0.25, 0.28, running_s=0.05)
+    assert judge(CRITICAL, [beyond], 100, key_id="calm").predicted_ttft_s == pytest.approx(
+        0.28 + 0.08 + 0.1
     )
-    assert judge(CRITICAL, [beyond], 100, key_id="calm").predicted_ttft_s == pytest.approx(0.55)
 
 
 def test_a_keys_share_is_reckoned_with_its_own_error_not_the_floods():
     # The flood's first tokens come 100 ms later than predicted, the calm key's on time; the
-    # tier's error is the flood's. With its own error the calm key's share is 0.15 s of the
-    # 0.3 s tier: its 0.06 s committed and 0.06 s newcomer are within its burst credit and none
-    # of the flood's work goes first. With the tier's error its share would be 0.1 s, and 0.02
-    # s of the flood would be dealt in ahead of it.
+    # tier's error is the flood's. With its own error the calm key's credit is the whole 0.3 s
+    # tier: its 0.2 s committed and 0.06 s newcomer are within it and none of the flood's work
+    # goes first. With the tier's error its credit would be 0.2 s, and 0.06 s of the flood
+    # would be dealt in ahead of it.
+    errors = flooding(0.25, 0.2, error_s=0.1)
     errors = dataclasses.replace(
-        keyed(flood=0.25, calm=0.06),
-        error_s=0.1,
-        keys=(KeyLoad("flood", 1.0, 0.25, error_s=0.1), KeyLoad("calm", 1.0, 0.06, error_s=0.0)),
+        errors,
+        keys=(
+            KeyLoad("flood", 1.0, 0.25, error_s=0.1, over_share=True),
+            KeyLoad("calm", 1.0, 0.2, error_s=0.0),
+        ),
     )
     verdict = judge(CRITICAL, [errors], 60, key_id="calm")
-    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.12)
+    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.26)
     assert verdict.error_s == 0.0
     # A key no owner names yet is judged with the tier's error.
     assert judge(CRITICAL, [errors], 60, key_id="new").error_s == pytest.approx(0.1)
@@ -330,7 +360,10 @@ def test_an_older_load_of_the_same_owner_does_not_replace_a_newer_one():
 def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
     keyed = dataclasses.replace(
         load(0.7, workers=3, margin=0.2),
-        keys=(KeyLoad("acme", 2.0, 0.5, running_s=0.25), KeyLoad("zed", 1.0, 0.2)),
+        keys=(
+            KeyLoad("acme", 2.0, 0.5, running_s=0.25, over_share=True),
+            KeyLoad("zed", 1.0, 0.2),
+        ),
     )
     published = PublishedLoad("owner", 1234.5, keyed, {"edge-a": 7})
     assert published_load(load_record(published)) == published
