@@ -342,7 +342,7 @@ class Scheduler:
         return tier_capacity_s(
             self._serving_workers(),
             req.tier.ttft_slo_s,
-            self.switch_s() + self.admission_errors.error_s(tier, req.key_id),
+            self.switch_s() + self.admission_errors.error_s(tier, req.key_id, within_share=True),
             self.prediction_errors.margin(),
         )
 
@@ -850,6 +850,7 @@ class Scheduler:
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s
         total_weight = sum(weights.values())
+        over = {k: self._over_share(tier, k, weights[k] / total_weight, now) for k in by_key}
         return TierLoad(
             tier=tier,
             workers=self._serving_workers(),
@@ -859,9 +860,9 @@ class Scheduler:
                     k,
                     weights[k],
                     by_key[k],
-                    self.admission_errors.error_s(tier, k),
+                    self.admission_errors.error_s(tier, k, within_share=not over[k]),
                     running[k],
-                    self._over_share(tier, k, weights[k] / total_weight, now),
+                    over[k],
                 )
                 for k in sorted(by_key)
             ),

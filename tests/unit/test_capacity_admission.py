@@ -24,6 +24,7 @@ from queue_service.scheduler import (
     SchedulerConfig,
     WorkerJoined,
 )
+from queue_service.scheduler.admission_error import AdmissionErrors
 from queue_service.scheduler.capacity import KeyLoad, Pending, TierLoad, judge, predict_prefill_s
 from tierflow.tiers import TierPolicy, TierTable, loads_tiers
 
@@ -462,6 +463,17 @@ def test_each_key_is_judged_on_its_own_errors_once_it_has_enough():
     assert not judge(CRITICAL, [load_now], 200, key_id="flood").admit
     # A key none of the owners names is judged on the tier's errors.
     assert judge(CRITICAL, [load_now], 200, key_id="new").error_s == pytest.approx(load_now.error_s)
+
+
+def test_a_key_within_its_share_is_judged_at_a_lower_quantile_of_its_errors():
+    errors = AdmissionErrors({"critical": 0.3})
+    for i in range(100):  # 1 in 20 of its first tokens came 0.1 s late, the rest on time
+        errors.observe("critical", "calm", 0.1, 0.2 if i % 20 == 0 else 0.1)
+    assert errors.error_s("critical", "calm") == pytest.approx(0.1)  # p99: over its share
+    assert errors.error_s("critical", "calm", within_share=True) == pytest.approx(0.0)  # p90
+    # A key with too few errors of its own is judged on the tier's at the p99, either way.
+    errors.observe("critical", "new", 0.1, 0.1)
+    assert errors.error_s("critical", "new", within_share=True) == pytest.approx(0.1)
 
 
 def test_only_a_request_that_admission_judged_measures_its_error():
