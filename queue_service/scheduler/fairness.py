@@ -19,11 +19,8 @@ issued, when none is left), kept from going back. A key that floods runs its tag
 A key that sends within its share of the tier gets a burst credit ``B``: its next ``B``
 seconds of work start before ``V``, before the waiting requests of every key over its share.
 Within its share means that the predicted prefill seconds it sent a second, averaged over the
-last ``rate_window_s`` (``KeyBook.rate``), are at most its weight's share of what all the
-tier's keys sent, or of the workers that serve the tier if they sent more. (Of the workers
-alone, a flood throttled by admission to about half a worker, the other half going to the
-calm key, decode steps and the lower tiers, looked within its share of 0.5 a worker.)
-``B`` is the tier's whole capacity as admission reckons it
+last ``rate_window_s`` (``KeyBook.rate``), are at most its weight's share of the workers that
+serve the tier. ``B`` is the tier's whole capacity as admission reckons it
 (``capacity.tier_capacity_s``, with the key's own error), not the key's share of it: a key
 sending a quarter of the tier's capacity at random (Poisson) holds more than half of the
 tier's in-flight capacity for a quarter of its requests, and dealt one for one with a flood
@@ -81,7 +78,6 @@ class KeyBook:
         self._keys: RecentMap[tuple[str, str], KeyEntry] = RecentMap(capacity)
         self._top_tag: dict[str, float] = defaultdict(float)  # tier -> highest finish tag
         self._virtual: dict[str, float] = {}  # tier -> V, never decreasing
-        self._tier_sent: dict[str, KeyEntry] = {}  # tier -> what all its keys sent (sent_s)
 
     def arrive(
         self,
@@ -105,17 +101,13 @@ class KeyBook:
         finish = start + predicted_s / req.key_weight
         sent_s = self._sent_s(before, req.arrival_s) + predicted_s
         self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish, sent_s)
-        tier_sent_s = self._sent_s(self._tier_sent.get(tier), req.arrival_s) + predicted_s
-        self._tier_sent[tier] = KeyEntry(0.0, req.arrival_s, 0.0, tier_sent_s)
         self._top_tag[tier] = max(self._top_tag[tier], finish)
         return start
 
-    def rate(self, tier: str, key_id: str | None, now: float) -> float:
-        """The predicted prefill seconds a second the key (None: all the tier's keys) sent the
-        tier lately, an exponentially decayed average over ``rate_window_s``; 0 for a key not
-        remembered."""
-        entry = self._tier_sent.get(tier) if key_id is None else self._keys.get((tier, key_id))
-        return self._sent_s(entry, now) / self.rate_window_s
+    def rate(self, tier: str, key_id: str, now: float) -> float:
+        """The predicted prefill seconds a second the key sent the tier lately (an
+        exponentially decayed average over ``rate_window_s``); 0 for a key not remembered."""
+        return self._sent_s(self._keys.get((tier, key_id)), now) / self.rate_window_s
 
     def _sent_s(self, entry: KeyEntry | None, now: float) -> float:
         if entry is None:

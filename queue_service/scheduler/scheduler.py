@@ -109,7 +109,7 @@ class SchedulerConfig:
     key_active_s: float = 60.0
     remember_keys: int = 10_000
     # A key is within its share of a tier while the predicted prefill seconds it sends a
-    # second, averaged over this window, stay within its weight's share of the tier's; only
+    # second, averaged over this window, stay within its weight's share of the workers; only
     # then does fair order give it a burst credit (``fairness``). Long enough that a flood
     # throttled by admission never looks within its share between its admitted requests,
     # short enough that a key which stops flooding gets its credit back within seconds.
@@ -348,10 +348,9 @@ class Scheduler:
 
     def _over_share(self, tier: str, key_id: str, fraction: float, now: float) -> bool:
         """Whether the key sent the tier more predicted prefill seconds a second lately than
-        ``fraction`` (its weight over the active keys' weights) of what all the tier's keys
-        sent, or of the serving workers if they sent more (``fairness.KeyBook.rate``)."""
-        served = min(float(self._serving_workers()), self._keys.rate(tier, None, now))
-        return self._keys.rate(tier, key_id, now) > served * fraction
+        ``fraction`` (its weight over the active keys' weights) of the serving workers
+        (``fairness.KeyBook.rate``)."""
+        return self._keys.rate(tier, key_id, now) > self._serving_workers() * fraction
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
         # The estimate of what is left gets sharper, and a request that chose to wait on the

@@ -231,15 +231,3 @@ def test_a_flood_throttled_by_admission_gets_no_burst_credit_before_a_calm_burst
         running = assign.request_id
         order.append(running)
     assert order == [f"b{i}" for i in range(20)] + ["g"]
-
-
-def test_a_key_is_over_its_share_of_what_the_tier_is_sent_not_of_its_workers():
-    """A flood that admission holds to 0.45 s a second of a worker, beside a calm key's 0.2, is
-    within half the worker but over half of what the tier is sent (0.325 s a second)."""
-    sched = make("flowprefill", key_active_s=10.0)
-    events = [(i * 0.15, f"c{i}", "calm") for i in range(40)]
-    events += [(i * 0.3 / 4.5, f"f{i}", "flood") for i in range(90)]
-    for at, rid, key in sorted(events):
-        sched.handle(RequestArrived(rid, "critical", 30, key_id=key), at)
-    load = sched.tier_load("critical", 6.0)
-    assert {k.key_id: k.over_share for k in load.keys} == {"calm": False, "flood": True}
