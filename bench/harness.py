@@ -310,7 +310,7 @@ class _Run:
     def _arrive(self, arrival: Arrival) -> None:
         record = self.records[arrival.request_id]
         record.arrived_at = self.start + arrival.at_s
-        tier, predicted_ttft_s = self._place(arrival)
+        tier, predicted_ttft_s, over_share = self._place(arrival)
         record.served_tier = tier
         if tier is None:
             self.unfinished -= 1  # refused at admission: record.rejected says why
@@ -326,15 +326,17 @@ class _Run:
                 arrival_s=arrival.at_s,
                 key_id=arrival.key_id,
                 admission_ttft_s=predicted_ttft_s,
+                key_over_share=over_share,
             )
         )
 
-    def _place(self, arrival: Arrival) -> tuple[str | None, float | None]:
-        """The tier the request is served at (None: refused) and the TTFT admission predicted
-        for it there (None: not judged): the overflow rules of ``config/tiers.toml`` applied
-        by the service's own ``CapacityBoard``, fed the scheduler's exact loads."""
+    def _place(self, arrival: Arrival) -> tuple[str | None, float | None, bool]:
+        """The tier the request is served at (None: refused), the TTFT admission predicted
+        for it there (None: not judged) and whether its key asked more than its share: the
+        overflow rules of ``config/tiers.toml`` applied by the service's own
+        ``CapacityBoard``, fed the scheduler's exact loads."""
         if self.admission is None:
-            return arrival.tier, None
+            return arrival.tier, None, False
         now = self.now()
         scheduler = self.dispatcher.scheduler
         for tier in self.tiers.judged():
@@ -345,7 +347,7 @@ class _Run:
             self.log.admission(arrival.request_id, placement)
         if placement.served_tier is None:
             self.records[arrival.request_id].rejected = placement.refusal.reason()
-        return placement.served_tier, placement.predicted_ttft_s
+        return placement.served_tier, placement.predicted_ttft_s, placement.over_share
 
     def _record(self, event: RunnerEvent) -> None:
         if self.log is not None:

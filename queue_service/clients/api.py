@@ -278,6 +278,7 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
             self.unjudged(placement.served_tier, placement.unjudged)
         # The owner measures admission's error against it (0: not judged).
         record.admission_predicted_ttft_s = placement.predicted_ttft_s or 0.0
+        record.key_over_share = placement.over_share
         if placement.served_tier is None:
             refusal = placement.refusal
             log.info("refused at capacity", request_id=record.request_id, tier=record.tier)

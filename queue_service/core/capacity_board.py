@@ -30,7 +30,15 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from queue_service.scheduler.capacity import KeyLoad, Pending, TierLoad, Verdict, judge
+from queue_service.scheduler.capacity import (
+    KeyLoad,
+    Pending,
+    TierLoad,
+    Verdict,
+    judge,
+    own_prefill_s,
+)
+from queue_service.scheduler.fairness import SentRates
 from tierflow.tiers import TierTable
 from tierflow.v1 import queue_pb2
 
@@ -111,6 +119,8 @@ class Placement:
     admitting: Verdict | None = None  # the rule that admitted it (None: no rule applied)
     # Why a tier with a rule took it without judging (``unjudged_reason``), else None.
     unjudged: str | None = None
+    # Its key asked more than its share of the tier that serves it (``fairness.SentRates``).
+    over_share: bool = False
 
     @property
     def predicted_ttft_s(self) -> float | None:
@@ -164,6 +174,7 @@ class CapacityBoard:
         self.clock = clock
         self._loads: dict[tuple[str, str], PublishedLoad] = {}  # (tier, owner) -> latest
         self._ledger: deque[_Admission] = deque()  # in admission order
+        self._asked = SentRates()  # what each key asked of each judged tier, admitted or not
 
     def update(self, published: PublishedLoad) -> None:
         """A load read from the capacity topic (a newer one of the same owner replaces it).
@@ -215,18 +226,32 @@ class CapacityBoard:
         while True:
             loads = [p.load for p in self.loads(policy.name)]
             pending = self.pending(policy.name)
-            verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above)
+            over = self._ask(policy.name, loads, prompt_tokens, key_id, weight)
+            verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above, over)
             if verdict is None:
                 unjudged = unjudged_reason(loads)
-                return Placement(tier, policy.name, tuple(verdicts), None, unjudged)
+                return Placement(tier, policy.name, tuple(verdicts), None, unjudged, over)
             if verdict.admit:
-                return Placement(tier, policy.name, tuple(verdicts), verdict)
+                return Placement(tier, policy.name, tuple(verdicts), verdict, None, over)
             verdicts.append(verdict)
             below = self.tiers.below(policy.name)
             if policy.overflow != "downgrade" or below is None:
                 return Placement(tier, None, tuple(verdicts))
             above += loads
             policy = below
+
+    def _ask(
+        self, tier: str, loads: list[TierLoad], prompt_tokens: int, key_id: str, weight: float
+    ) -> bool:
+        """Count what the request asks of ``tier`` and say whether its key asked more than its
+        share of the tier's workers lately (among the loads' active keys and itself)."""
+        now = self.clock()
+        self._asked.add(tier, key_id, own_prefill_s(loads, prompt_tokens), now)
+        weights = {k.key_id: k.weight for load in loads for k in load.keys}
+        weights[key_id] = weight
+        fraction = weight / sum(weights.values())
+        workers = sum(load.workers for load in loads)
+        return self._asked.over_share(tier, key_id, fraction, workers, now)
 
     def _forget_old(self) -> None:
         oldest_ms = (self.clock() - self.ledger_ttl_s) * 1000

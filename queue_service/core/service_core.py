@@ -238,6 +238,7 @@ class ServiceCore:
                 key_id=record.key_id,
                 key_weight=record.key_weight or 1.0,
                 admission_ttft_s=record.admission_predicted_ttft_s or None,
+                key_over_share=record.key_over_share,
             )
         )
         if request_id in self.live and not self.dispatcher.handles:

@@ -101,6 +101,15 @@ def predict_prefill_s(coefficients: tuple[float, float, float], prompt_tokens: i
     return a * prompt_tokens + b * prompt_tokens * prompt_tokens + c
 
 
+def own_prefill_s(loads: Sequence[TierLoad], prompt_tokens: int) -> float:
+    """A prompt's predicted prefill seconds: the most pessimistic of the loads' calibrated
+    predictors (0 when none is)."""
+    return max(
+        (predict_prefill_s(load.coefficients, prompt_tokens) for load in loads if load.calibrated),
+        default=0.0,
+    )
+
+
 @dataclass(frozen=True)
 class Verdict:
     tier: str
@@ -135,19 +144,21 @@ def judge(
     key_id: str = "",
     key_weight: float = 1.0,
     above: Sequence[TierLoad] = (),
+    key_over_share: bool | None = None,
 ) -> Verdict | None:
     """Whether a request of ``prompt_tokens`` from key ``key_id`` is admitted at ``tier`` on
     top of ``loads`` and of ``pending`` (requests admitted that no load counts yet), behind
-    the committed work of the higher tiers (``above``: it runs first on the same workers).
-    None when the rule cannot be applied: no worker serves the tier, or no load has a
+    the committed work of the higher tiers (``above``: it runs first on the same workers);
+    ``key_over_share``: the key's standing as admission measures it now (None: as the loads
+    say). None when the rule cannot be applied: no worker serves the tier, or no load has a
     calibrated predictor (the request then stands at its tier)."""
     workers = sum(load.workers for load in loads)
     calibrated = [load for load in loads if load.calibrated and load.workers > 0]
     if workers == 0 or not calibrated:
         return None
 
-    def prefill_s(tokens: int) -> float:  # the most pessimistic of the measured predictors
-        return max(predict_prefill_s(load.coefficients, tokens) for load in calibrated)
+    def prefill_s(tokens: int) -> float:
+        return own_prefill_s(calibrated, tokens)
 
     own_s = prefill_s(prompt_tokens)
     margin = max(load.margin for load in calibrated)
@@ -155,7 +166,8 @@ def judge(
     tier_error_s = max(load.error_s for load in loads)
     keys = _key_loads(loads, pending, prefill_s, tier_error_s)
     mine = keys.get(key_id, KeyLoad(key_id, key_weight, 0.0, tier_error_s))
-    keys[key_id] = dataclasses.replace(mine, weight=key_weight)
+    standing = mine.over_share if key_over_share is None else key_over_share
+    keys[key_id] = dataclasses.replace(mine, weight=key_weight, over_share=standing)
     error_s = mine.error_s
 
     def capacity_s(key: KeyLoad) -> float:  # with the key's own error: see the module's text

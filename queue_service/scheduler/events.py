@@ -32,6 +32,9 @@ class RequestArrived:
     # The TTFT admission predicted for it (``capacity.judge``, before the error it adds), on
     # the instance that admitted it; None: not judged. Its first token measures that error.
     admission_ttft_s: float | None = None
+    # Admission found the key over its share of the tier (``fairness.SentRates``): fair order
+    # gives its requests no burst credit.
+    key_over_share: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,19 +18,20 @@ issued, when none is left), kept from going back. A key that floods runs its tag
 
 A key that sends within its share of the tier gets a burst credit ``B``: its next ``B``
 seconds of work start before ``V``, before the waiting requests of every key over its share.
-Within its share means that the predicted prefill seconds it sent a second, averaged over the
-last ``rate_window_s`` (``KeyBook.rate``), are at most its weight's share of the workers that
-serve the tier. ``B`` is the tier's whole capacity as admission reckons it
+Within its share means that the predicted prefill seconds it asked of the tier a second,
+admitted or not, averaged over the last 2 s, are at most its weight's share of the tier's
+workers (``SentRates``, at admission, which stamps the standing on each request it admits:
+``key_over_share``). ``B`` is the tier's whole capacity as admission reckons it
 (``capacity.tier_capacity_s``, with the key's own error), not the key's share of it: a key
 sending a quarter of the tier's capacity at random (Poisson) holds more than half of the
 tier's in-flight capacity for a quarter of its requests, and dealt one for one with a flood
-past that half, those requests missed. Its rate bounds what such a key takes over time, and
-admission what it holds at once. A key over its share gets no credit (plain start-time fair
-queueing). Standing is judged on the rate, not on the key's tags: admission throttles a flood,
-so between its admitted requests its tags fell behind ``V``, and a credit given to every key
-whose tags had fallen behind went to the flood too, whose newcomers then went before a calm
-key's burst (docs/results.md, "One key floods the critical tier": a calm request waited 450 ms
-while six later requests went first).
+past that half, those requests missed. What it asks bounds what such a key takes over time,
+and admission what it holds at once. A key over its share gets no credit (plain start-time
+fair queueing). Standing is judged on what a key asks, not on its tags: admission throttles a
+flood, so between its admitted requests its tags fell behind ``V``, and a credit given to every
+key whose tags had fallen behind went to the flood too, whose newcomers then went before a
+calm key's burst (docs/results.md, "One key floods the critical tier": a calm request waited
+450 ms while six later requests went first).
 
 The tier's requests then take the tier's places in the policy's ranking in start-tag order:
 
@@ -61,20 +62,14 @@ class KeyEntry:
     weight: float
     last_arrival_s: float
     finish_tag: float
-    # The predicted prefill seconds the key sent, decayed with ``rate_window_s`` to its last
-    # arrival: over the window, its rate (``KeyBook.rate``).
-    sent_s: float = 0.0
+    over_share: bool = False  # the standing its latest request carried (``SentRates``)
 
 
 class KeyBook:
-    """Per (tier, key): its weight, its last arrival, its finish tag and the rate of work it
-    sends (predicted prefill seconds a second, decayed over ``rate_window_s``); at most
+    """Per (tier, key): its weight, its last arrival, its finish tag and its standing; at most
     ``capacity`` keys remembered (the least recently seen forgotten first)."""
 
-    def __init__(self, capacity: int, rate_window_s: float = 2.0) -> None:
-        if not rate_window_s > 0:
-            raise ValueError(f"rate_window_s must be > 0, got {rate_window_s!r}")
-        self.rate_window_s = rate_window_s
+    def __init__(self, capacity: int) -> None:
         self._keys: RecentMap[tuple[str, str], KeyEntry] = RecentMap(capacity)
         self._top_tag: dict[str, float] = defaultdict(float)  # tier -> highest finish tag
         self._virtual: dict[str, float] = {}  # tier -> V, never decreasing
@@ -99,21 +94,15 @@ class KeyBook:
         if start < virtual:
             start = max(start, virtual - credit_s() / req.key_weight)
         finish = start + predicted_s / req.key_weight
-        sent_s = self._sent_s(before, req.arrival_s) + predicted_s
-        self._keys[(tier, req.key_id)] = KeyEntry(req.key_weight, req.arrival_s, finish, sent_s)
+        entry = KeyEntry(req.key_weight, req.arrival_s, finish, req.key_over_share)
+        self._keys[(tier, req.key_id)] = entry
         self._top_tag[tier] = max(self._top_tag[tier], finish)
         return start
 
-    def rate(self, tier: str, key_id: str, now: float) -> float:
-        """The predicted prefill seconds a second the key sent the tier lately (an
-        exponentially decayed average over ``rate_window_s``); 0 for a key not remembered."""
-        return self._sent_s(self._keys.get((tier, key_id)), now) / self.rate_window_s
-
-    def _sent_s(self, entry: KeyEntry | None, now: float) -> float:
-        if entry is None:
-            return 0.0
-        age_s = max(0.0, now - entry.last_arrival_s)
-        return entry.sent_s * math.exp(-age_s / self.rate_window_s)
+    def over_share(self, tier: str, key_id: str) -> bool:
+        """The key's standing as its latest request of the tier carried it."""
+        entry = self._keys.get((tier, key_id))
+        return entry is not None and entry.over_share
 
     def active(self, tier: str, since_s: float) -> Iterator[tuple[str, float]]:
         """(key, weight) of the tier's keys that sent a request at ``since_s`` or later.
@@ -129,6 +118,43 @@ class KeyBook:
                 return
             if key_tier == tier:
                 yield key_id, entry.weight
+
+
+class SentRates:
+    """What each key asked of each tier lately, at admission: the predicted prefill seconds of
+    every request it sent, admitted or not, a second, as an exponentially decayed average over
+    ``window_s``; and whether that is over the key's share of the tier's workers.
+
+    Measured where requests arrive, not where they are scheduled: the owner of a tier sees only
+    what admission let in, and a flood that admission held to about half a worker looked within
+    a share of half a worker there, now and then (docs/results.md). With several admitting
+    instances each sees its part of every key's requests and compares it with the same part of
+    the workers (``over_share``'s ``workers``)."""
+
+    def __init__(self, window_s: float = 2.0, capacity: int = 10_000) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+        self.window_s = window_s
+        # (tier, key) -> (decayed seconds, as of)
+        self._sent: RecentMap[tuple[str, str], tuple[float, float]] = RecentMap(max(1, capacity))
+
+    def add(self, tier: str, key_id: str, seconds: float, now: float) -> None:
+        self._sent[(tier, key_id)] = (self._decayed(tier, key_id, now) + seconds, now)
+
+    def rate(self, tier: str, key_id: str, now: float) -> float:
+        """Predicted prefill seconds a second the key asked of the tier."""
+        return self._decayed(tier, key_id, now) / self.window_s
+
+    def over_share(
+        self, tier: str, key_id: str, fraction: float, workers: float, now: float
+    ) -> bool:
+        """Whether the key asked more than ``fraction`` (its weight over the active keys'
+        weights) of ``workers`` (a worker does a prefill second a second)."""
+        return self.rate(tier, key_id, now) > fraction * workers
+
+    def _decayed(self, tier: str, key_id: str, now: float) -> float:
+        seconds, as_of = self._sent.get((tier, key_id), (0.0, now))
+        return seconds * math.exp(-max(0.0, now - as_of) / self.window_s)
 
 
 def fair_order(ranked: Sequence[Request], late: Collection[str] = ()) -> list[Request]:

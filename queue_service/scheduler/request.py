@@ -67,6 +67,7 @@ class Request:
     # The TTFT admission predicted for it on arrival (before the error it adds), in a tier
     # that admission judges: compared with its TTFT to learn that error (``admission_error``).
     admission_ttft_s: float | None = None
+    key_over_share: bool = False  # admission found its key over its share (``fairness``)
 
     # Its TTFT deadline (arrival and tier never change): read on every decision, so kept.
     deadline_s: float = field(init=False, repr=False)

@@ -108,12 +108,6 @@ class SchedulerConfig:
     # comes back. At most ``remember_keys`` keys are remembered.
     key_active_s: float = 60.0
     remember_keys: int = 10_000
-    # A key is within its share of a tier while the predicted prefill seconds it sends a
-    # second, averaged over this window, stay within its weight's share of the workers; only
-    # then does fair order give it a burst credit (``fairness``). Long enough that a flood
-    # throttled by admission never looks within its share between its admitted requests,
-    # short enough that a key which stops flooding gets its credit back within seconds.
-    key_rate_window_s: float = 2.0
     # A decision plans over the head of the waiting queues only (``waiting_index``): per tier
     # this many of each order, and a pack's worth more per free worker. None: over every
     # waiting request, the full planner (the reference of tests/unit/test_scheduler_window.py).
@@ -139,7 +133,6 @@ class SchedulerConfig:
             "timer_resolution_s",
             "progress_decision_interval_s",
             "key_active_s",
-            "key_rate_window_s",
         ):
             value = getattr(self, name)
             if math.isnan(value) or value < 0:
@@ -198,7 +191,7 @@ class Scheduler:
         # Tier -> key -> (live requests, the key's weight): who holds work in a tier.
         self._live_keys: dict[str, dict[str, list]] = {name: {} for name in tiers.names}
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
-        self._keys = fairness.KeyBook(self.config.remember_keys, self.config.key_rate_window_s)
+        self._keys = fairness.KeyBook(self.config.remember_keys)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
@@ -276,11 +269,12 @@ class Scheduler:
             progress_at_s=now,
         )
         req.admission_ttft_s = ev.admission_ttft_s  # admission's own (None: not judged)
+        req.key_over_share = ev.key_over_share
         req.fair_tag = self._keys.arrive(
             req,
             self.predictor.predict(req.prompt_tokens),
             self._fair_peers(tier.name, now),
-            credit_s=lambda: self._burst_credit_s(req, now),
+            credit_s=lambda: self._burst_credit_s(req),
         )
         self._requests[rid] = req
         held = self._live_keys[tier.name].setdefault(req.key_id, [0, req.key_weight])
@@ -330,27 +324,19 @@ class Scheduler:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
 
-    def _burst_credit_s(self, req: Request, now: float) -> float:
+    def _burst_credit_s(self, req: Request) -> float:
         """What fair order lets the key run ahead of the keys over their share: the tier's
         capacity as admission reckons it (``capacity.tier_capacity_s``, with the key's own
-        error) while the key is within its share, else nothing (``fairness``)."""
-        tier = req.tier.name
-        weights = dict(self._keys.active(tier, now - self.config.key_active_s))
-        weights[req.key_id] = req.key_weight
-        if self._over_share(tier, req.key_id, req.key_weight / sum(weights.values()), now):
+        error) while admission finds the key within its share, else nothing (``fairness``)."""
+        if req.key_over_share:
             return 0.0
+        tier = req.tier.name
         return tier_capacity_s(
             self._serving_workers(),
             req.tier.ttft_slo_s,
             self.switch_s() + self.admission_errors.error_s(tier, req.key_id, within_share=True),
             self.prediction_errors.margin(),
         )
-
-    def _over_share(self, tier: str, key_id: str, fraction: float, now: float) -> bool:
-        """Whether the key sent the tier more predicted prefill seconds a second lately than
-        ``fraction`` (its weight over the active keys' weights) of the serving workers
-        (``fairness.KeyBook.rate``)."""
-        return self._keys.rate(tier, key_id, now) > self._serving_workers() * fraction
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
         # The estimate of what is left gets sharper, and a request that chose to wait on the
@@ -849,8 +835,7 @@ class Scheduler:
                 by_key[r.key_id] += left_s
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s
-        total_weight = sum(weights.values())
-        over = {k: self._over_share(tier, k, weights[k] / total_weight, now) for k in by_key}
+        over = {k: self._keys.over_share(tier, k) for k in by_key}
         return TierLoad(
             tier=tier,
             workers=self._serving_workers(),

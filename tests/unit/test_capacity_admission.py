@@ -260,6 +260,23 @@ def test_reject_refuses_the_request_and_a_lower_tier_with_its_own_rule_is_judged
     assert placement.refusal.tier == "standard"
 
 
+def test_admission_finds_a_key_that_asks_more_than_its_share_over_it():
+    clock = Clock()
+    board = board_with(clock, PublishedLoad("owner", clock.now, keyed(flood=0.0, calm=0.0), {}))
+    # A 0.2 s prompt fits the idle 0.3 s tier from a key within its share.
+    assert board.place("critical", 200, "calm").served_tier == "critical"
+    for _ in range(40):  # the flood asks 0.05 s every 10 ms, refused or not
+        clock.now += 0.01
+        board.place("critical", 50, "flood")
+    calm, flood = board.place("critical", 50, "calm"), board.place("critical", 50, "flood")
+    assert calm.served_tier == flood.served_tier == "critical"
+    assert not calm.over_share and flood.over_share  # what the owner will be told
+    # Over its share, the calm key's unused share (0.15 s) is kept free: 0.15 + 0.2 > 0.3 s.
+    big = board.place("critical", 200, "flood")
+    assert big.served_tier == "standard"
+    assert big.verdicts[0].predicted_ttft_s == pytest.approx(0.35)
+
+
 def test_own_admissions_count_until_a_load_counts_them():
     clock = Clock()
     board = board_with(clock, owner_load(clock, 0.0))

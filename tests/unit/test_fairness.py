@@ -15,7 +15,7 @@ from queue_service.scheduler import (
     Scheduler,
     make_policy,
 )
-from queue_service.scheduler.fairness import KeyBook, fair_order
+from queue_service.scheduler.fairness import KeyBook, SentRates, fair_order
 from queue_service.scheduler.request import Request
 from tests.tiers import UNIT_TIERS
 from tests.unit.test_scheduler import drain_order, make, step
@@ -182,25 +182,29 @@ def test_a_key_never_preempts_another_key_of_its_tier():
     assert [c.request_id for c in commands if isinstance(c, Preempt)] == ["f0"]
 
 
-def test_a_key_sends_at_a_rate_that_decays_over_the_window():
-    book = KeyBook(10, rate_window_s=2.0)
+def test_what_a_key_asks_decays_over_the_window_and_is_held_against_its_share():
+    rates = SentRates(window_s=2.0)
     for i in range(20):  # 0.05 s of work every 0.1 s: 0.5 s a second
-        req = Request(f"r{i}", TIERS["critical"], i * 0.1, 50, key_id="k")
-        req.fair_tag = book.arrive(req, 0.05, [])
+        rates.add("critical", "flood", 0.05, i * 0.1)
     # Each request's seconds weigh exp(-age / 2 s), over the 2 s window.
     sent = sum(0.05 * math.exp(-(1.9 - i * 0.1) / 2.0) for i in range(20))
-    assert book.rate("critical", "k", 1.9) == pytest.approx(sent / 2.0)
-    assert book.rate("critical", "k", 3.9) == pytest.approx(sent / 2.0 * math.exp(-1.0))
-    assert book.rate("critical", "other", 1.9) == 0.0
+    assert rates.rate("critical", "flood", 1.9) == pytest.approx(sent / 2.0)  # 0.3 s a second
+    assert rates.rate("critical", "flood", 3.9) == pytest.approx(sent / 2.0 * math.exp(-1.0))
+    assert rates.rate("critical", "other", 1.9) == 0.0
+    # Half of one worker is 0.5 s a second; a quarter of it, 0.25.
+    assert not rates.over_share("critical", "flood", 0.5, 1, 1.9)
+    assert rates.over_share("critical", "flood", 0.25, 1, 1.9)
+    assert not rates.over_share("standard", "flood", 0.25, 1, 1.9)  # nothing asked there
 
 
 def test_a_flood_throttled_by_admission_gets_no_burst_credit_before_a_calm_burst():
     """Admission lets a flood's requests in one at a time, and while a calm key's burst runs
     past the flood's last finish tag, the virtual time moves past it as past an idle key's.
     Judged by its tags the flood then got a burst credit, and its newcomer went before the rest
-    of the burst (docs/results.md). Judged by its rate (0.86 s a second for 5 s, against its
-    share, 0.5) it is over its share and gets none; the calm key, within its share, has the
-    whole tier's capacity as its credit (1 s SLO / 1.2 margin = 0.83 s: 27 of its requests)."""
+    of the burst (docs/results.md). Admission finds it over its share of what the tier is asked
+    (``SentRates``) and says so on each request: it gets none. The calm key, within its share,
+    has the whole tier's capacity as its credit (1 s SLO / 1.2 margin = 0.83 s: 27 of its
+    requests)."""
     sched = make("flowprefill")
     now = 0.0
     assert step(sched, RequestArrived("c", "critical", 30, key_id="calm"), now) == [
@@ -209,9 +213,8 @@ def test_a_flood_throttled_by_admission_gets_no_burst_credit_before_a_calm_burst
     step(sched, RequestDone("c", "w0"), now + 0.03)
     for i in range(143):  # 5 s of the flood, each request let in when the last is done
         now = 0.05 + 0.035 * i
-        assert step(sched, RequestArrived(f"f{i}", "critical", 30, key_id="flood"), now) == [
-            Assign(f"f{i}", "w0")
-        ]
+        flood = RequestArrived(f"f{i}", "critical", 30, key_id="flood", key_over_share=True)
+        assert step(sched, flood, now) == [Assign(f"f{i}", "w0")]
         step(sched, RequestDone(f"f{i}", "w0"), now + 0.03)
     now = 5.1
     for i in range(20):  # a calm burst of 0.6 s of work: past half the tier, within all of it
@@ -224,10 +227,37 @@ def test_a_flood_throttled_by_admission_gets_no_burst_credit_before_a_calm_burst
         order.append(running)
     load = sched.tier_load("critical", now)
     assert {k.key_id: k.over_share for k in load.keys} == {"calm": False, "flood": True}
-    step(sched, RequestArrived("g", "critical", 30, key_id="flood"), now)
+    step(sched, RequestArrived("g", "critical", 30, key_id="flood", key_over_share=True), now)
     for _ in range(5):
         now += 0.03
         (assign,) = step(sched, RequestDone(running, "w0"), now)
         running = assign.request_id
         order.append(running)
     assert order == [f"b{i}" for i in range(20)] + ["g"]
+
+
+def test_only_a_key_admission_finds_within_its_share_gets_a_burst_credit():
+    # The calm key's burst (0.6 s) runs with its credit; 10 of it served, two idle keys come.
+    sched = make("flowprefill")
+    for i in range(20):
+        step(sched, RequestArrived(f"b{i}", "critical", 30, key_id="calm"), 0.0)
+    now, running = 0.0, "b0"
+    for _ in range(10):
+        now += 0.03
+        (assign,) = step(sched, RequestDone(running, "w0"), now)
+        running = assign.request_id
+    over = RequestArrived("over", "critical", 30, key_id="x", key_over_share=True)
+    within = RequestArrived("within", "critical", 30, key_id="y")
+    step(sched, over, now)
+    step(sched, within, now)
+    order = [running]
+    for _ in range(11):
+        now += 0.03
+        (assign,) = step(sched, RequestDone(order[-1], "w0"), now)
+        order.append(assign.request_id)
+    # Within its share, a key's first request starts a whole credit before the virtual time:
+    # first. Over it, at the virtual time, after the calm key's credited burst.
+    assert order == ["b10", "within", *(f"b{i}" for i in range(11, 20)), "over"], order
+    # The owner publishes each key's standing as its latest request carried it.
+    load = sched.tier_load("critical", now)
+    assert {k.key_id: k.over_share for k in load.keys} == {"calm": False, "x": True, "y": False}

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id", "requested_tier", "key_weight", "admission_predicted_ttft_s")
+    __slots__ = ("request_id", "tier", "prompt_ids", "max_new_tokens", "sampling", "stop_at_eos", "arrival_unix_ms", "deadline_unix_ms", "reply_to", "key_id", "requested_tier", "key_weight", "admission_predicted_ttft_s", "key_over_share")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class QueuedRequest(_message.Message):
     REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
     KEY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    KEY_OVER_SHARE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tier: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,7 +36,8 @@ class QueuedRequest(_message.Message):
     requested_tier: str
     key_weight: float
     admission_predicted_ttft_s: float
-    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ..., requested_tier: _Optional[str] = ..., key_weight: _Optional[float] = ..., admission_predicted_ttft_s: _Optional[float] = ...) -> None: ...
+    key_over_share: bool
+    def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., arrival_unix_ms: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., reply_to: _Optional[str] = ..., key_id: _Optional[str] = ..., requested_tier: _Optional[str] = ..., key_weight: _Optional[float] = ..., admission_predicted_ttft_s: _Optional[float] = ..., key_over_share: _Optional[bool] = ...) -> None: ...
 
 class ReplyRecord(_message.Message):
     __slots__ = ("request_id", "event", "error")
