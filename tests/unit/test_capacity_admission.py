@@ -265,7 +265,7 @@ def test_admission_finds_a_key_that_asks_more_than_its_share_over_it():
     board = board_with(clock, PublishedLoad("owner", clock.now, keyed(flood=0.0, calm=0.0), {}))
     # A 0.2 s prompt fits the idle 0.3 s tier from a key within its share.
     assert board.place("critical", 200, "calm").served_tier == "critical"
-    for _ in range(40):  # the flood asks 0.05 s every 10 ms, refused or not
+    for _ in range(200):  # the flood asks 0.05 s every 10 ms for 2 s, refused or not
         clock.now += 0.01
         board.place("critical", 50, "flood")
     calm, flood = board.place("critical", 50, "calm"), board.place("critical", 50, "flood")
