@@ -135,19 +135,32 @@ class SentRates:
     # sending half its share at random (Poisson) went over it at its largest bursts, and lost
     # its credit just when it needed it (docs/results.md). A flood at 3x the tier's capacity
     # passes its share of one half within 2 s even so.
-    def __init__(self, window_s: float = 10.0, capacity: int = 10_000) -> None:
-        if not window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {window_s!r}")
+    def __init__(
+        self, window_s: float = 10.0, capacity: int = 10_000, min_age_s: float = 1.0
+    ) -> None:
+        if not window_s > 0 or not min_age_s > 0:
+            raise ValueError("window_s and min_age_s must be > 0")
         self.window_s = window_s
-        # (tier, key) -> (decayed seconds, as of)
-        self._sent: RecentMap[tuple[str, str], tuple[float, float]] = RecentMap(max(1, capacity))
+        self.min_age_s = min_age_s
+        # (tier, key) -> (decayed seconds, as of, first seen)
+        self._sent: RecentMap[tuple[str, str], tuple[float, float, float]] = RecentMap(
+            max(1, capacity)
+        )
 
     def add(self, tier: str, key_id: str, seconds: float, now: float) -> None:
-        self._sent[(tier, key_id)] = (self._decayed(tier, key_id, now) + seconds, now)
+        sent_s, as_of, first = self._sent.get((tier, key_id), (0.0, now, now))
+        self._sent[(tier, key_id)] = (self._decay(sent_s, as_of, now) + seconds, now, first)
 
     def rate(self, tier: str, key_id: str, now: float) -> float:
-        """Predicted prefill seconds a second the key asked of the tier."""
-        return self._decayed(tier, key_id, now) / self.window_s
+        """Predicted prefill seconds a second the key asked of the tier. Over a key's first
+        seconds the average is over the time since it was first seen (at least
+        ``min_age_s``), not the whole window: a flood that has just begun is not taken for
+        a key within its share while its average fills."""
+        sent_s, as_of, first = self._sent.get((tier, key_id), (0.0, now, now))
+        age_s = max(self.min_age_s, now - first)
+        return self._decay(sent_s, as_of, now) / (
+            self.window_s * -math.expm1(-age_s / self.window_s)
+        )
 
     def over_share(
         self, tier: str, key_id: str, fraction: float, workers: float, now: float
@@ -156,8 +169,7 @@ class SentRates:
         weights) of ``workers`` (a worker does a prefill second a second)."""
         return self.rate(tier, key_id, now) > fraction * workers
 
-    def _decayed(self, tier: str, key_id: str, now: float) -> float:
-        seconds, as_of = self._sent.get((tier, key_id), (0.0, now))
+    def _decay(self, seconds: float, as_of: float, now: float) -> float:
         return seconds * math.exp(-max(0.0, now - as_of) / self.window_s)
 
 

@@ -184,17 +184,30 @@ def test_a_key_never_preempts_another_key_of_its_tier():
 
 def test_what_a_key_asks_decays_over_the_window_and_is_held_against_its_share():
     rates = SentRates(window_s=2.0)
-    for i in range(20):  # 0.05 s of work every 0.1 s: 0.5 s a second
+    for i in range(60):  # 0.05 s of work every 0.1 s: 0.5 s a second, for 6 s
         rates.add("critical", "flood", 0.05, i * 0.1)
-    # Each request's seconds weigh exp(-age / 2 s), over the 2 s window.
-    sent = sum(0.05 * math.exp(-(1.9 - i * 0.1) / 2.0) for i in range(20))
-    assert rates.rate("critical", "flood", 1.9) == pytest.approx(sent / 2.0)  # 0.3 s a second
-    assert rates.rate("critical", "flood", 3.9) == pytest.approx(sent / 2.0 * math.exp(-1.0))
-    assert rates.rate("critical", "other", 1.9) == 0.0
-    # Half of one worker is 0.5 s a second; a quarter of it, 0.25.
-    assert not rates.over_share("critical", "flood", 0.5, 1, 1.9)
-    assert rates.over_share("critical", "flood", 0.25, 1, 1.9)
-    assert not rates.over_share("standard", "flood", 0.25, 1, 1.9)  # nothing asked there
+    # Each request's seconds weigh exp(-age / 2 s), over the 2 s window (6 s seen: 95 % of it).
+    sent = sum(0.05 * math.exp(-(5.9 - i * 0.1) / 2.0) for i in range(60))
+    window = 2.0 * (1 - math.exp(-5.9 / 2.0))
+    assert rates.rate("critical", "flood", 5.9) == pytest.approx(sent / window)
+    assert rates.rate("critical", "flood", 7.9) == pytest.approx(
+        sent * math.exp(-1.0) / (2.0 * (1 - math.exp(-7.9 / 2.0)))
+    )
+    assert rates.rate("critical", "other", 5.9) == 0.0
+    # About 0.5 s a second: over a quarter of one worker, within 0.6 of it.
+    assert rates.over_share("critical", "flood", 0.25, 1, 5.9)
+    assert not rates.over_share("critical", "flood", 0.6, 1, 5.9)
+    assert not rates.over_share("standard", "flood", 0.25, 1, 5.9)  # nothing asked there
+
+
+def test_a_key_just_begun_is_averaged_over_the_time_it_was_seen():
+    rates = SentRates(window_s=10.0)
+    for i in range(10):  # a flood: 0.05 s of work every 10 ms, 5 s a second, for 0.1 s
+        rates.add("critical", "flood", 0.05, i * 0.01)
+    assert rates.over_share("critical", "flood", 0.5, 1, 0.1)  # 0.5 s over its first 1 s
+    rates.add("critical", "calm", 0.05, 0.0)  # one request: 0.05 s over its first 1 s
+    assert rates.rate("critical", "calm", 0.0) == pytest.approx(0.05 / (10 * (1 - math.exp(-0.1))))
+    assert not rates.over_share("critical", "calm", 0.5, 1, 0.0)
 
 
 def test_a_flood_throttled_by_admission_gets_no_burst_credit_before_a_calm_burst():
