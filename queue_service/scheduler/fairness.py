@@ -31,7 +31,7 @@ fair queueing). Standing is judged on what a key asks, not on its tags: admissio
 flood, so between its admitted requests its tags fell behind ``V``, and a credit given to every
 key whose tags had fallen behind went to the flood too, whose newcomers then went before a
 calm key's burst (docs/results.md, "One key floods the critical tier": a calm request waited
-450 ms while six later requests went first).
+450 ms while seven later requests went first).
 
 The tier's requests then take the tier's places in the policy's ranking in start-tag order:
 
