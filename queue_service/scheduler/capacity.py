@@ -24,8 +24,10 @@ request whose own prefill alone exceeds the SLO.
 Between the keys of a tier (``fairness``) the scheduler serves in weighted fair order, so the
 work ahead of a newcomer of key k is not all the tier's committed work. Fair order lays each
 key's work out in virtual time from ``V``, less the key's burst credit ``B_j``: the tier's
-capacity (``capacity_j`` below, with key j's own error) for a key within its share of the
-tier's rate, 0 for a key over it (the owner publishes which, ``KeyLoad.over_share``). The
+capacity (``capacity_j`` below, with key j's own error) for a key within its share of what the
+tier is asked, 0 for a key over it (``fairness.SentRates``: the newcomer's key as the admitting
+instance measures it now, ``key_over_share``; the others as the owner published them,
+``KeyLoad.over_share``). The
 newcomer finishes at ``f`` past ``V``; of every other key j, what lies before ``f`` runs first,
 or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later, does not
 preempt it). A key over its share of the rate, or holding more than its share of the tier's
