@@ -166,8 +166,9 @@ class SentRates:
         self, tier: str, key_id: str, fraction: float, workers: float, now: float
     ) -> bool:
         """Whether the key asked more than ``fraction`` (its weight over the active keys'
-        weights) of ``workers`` (a worker does a prefill second a second)."""
-        return self.rate(tier, key_id, now) > fraction * workers
+        weights) of ``workers`` (a worker does a prefill second a second). With no worker
+        known (no fresh load) nothing can be said: not over."""
+        return workers > 0 and self.rate(tier, key_id, now) > fraction * workers
 
     def _decay(self, seconds: float, as_of: float, now: float) -> float:
         return seconds * math.exp(-max(0.0, now - as_of) / self.window_s)
