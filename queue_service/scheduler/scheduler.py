@@ -335,7 +335,6 @@ class Scheduler:
             self._serving_workers(),
             req.tier.ttft_slo_s,
             self.switch_s() + self.admission_errors.error_s(tier, req.key_id, within_share=True),
-            self.prediction_errors.margin(),
         )
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:

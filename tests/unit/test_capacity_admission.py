@@ -58,12 +58,22 @@ def test_a_request_is_admitted_exactly_while_it_still_meets_the_slo_behind_the_c
     assert "0.35 s" in refused.reason() and "0.3 s" in refused.reason()
 
 
-def test_workers_share_the_committed_work_and_the_margin_and_switch_inflate_it():
+def test_workers_share_the_committed_work_and_the_switch_adds_to_it():
     assert judge(CRITICAL, [load(0.38, workers=2)], 100).admit  # 0.19 + 0.1
     assert not judge(CRITICAL, [load(0.38, workers=1)], 100).admit
-    # (1 + 0.4) * (0.1 + 0.1) = 0.28: still within; a switch of 0.05 s pushes it over.
-    assert judge(CRITICAL, [load(0.1, margin=0.4)], 100).admit
-    assert not judge(CRITICAL, [load(0.1, margin=0.4, switch_s=0.05)], 100).admit
+    # 0.1 + (1 + 0.4) * 0.1 = 0.24 and a switch of 0.05 s: within; one of 0.07 s: over.
+    assert judge(CRITICAL, [load(0.1, margin=0.4, switch_s=0.05)], 100).admit
+    assert not judge(CRITICAL, [load(0.1, margin=0.4, switch_s=0.07)], 100).admit
+
+
+def test_the_margin_inflates_the_newcomers_own_prefill_not_the_committed_work():
+    # 0.15 s ahead and a 50 ms prompt at a margin of 1.0: 0.15 + 2 x 0.05 = 0.25 s, within.
+    # Inflating the committed work too would say 2 x 0.2 = 0.4 s.
+    verdict = judge(CRITICAL, [load(0.15, margin=1.0)], 50)
+    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.25)
+    # Its own prefill is inflated: a 120 ms prompt alone is 0.24 s at that margin, refused
+    # behind 0.1 s of work.
+    assert not judge(CRITICAL, [load(0.1, margin=1.0)], 120).admit
 
 
 def test_a_prompt_whose_own_prefill_exceeds_the_slo_is_refused_on_an_idle_tier():
@@ -186,15 +196,13 @@ def test_a_keys_share_is_reckoned_with_its_own_error_not_the_floods():
 
 
 def test_a_keys_first_request_is_never_over_its_share():
-    # With a 0.8 margin a key's share is 0.3 / 1.8 / 2 = 0.083 s, less than its 100 ms prompt.
-    # With nothing of its own committed it is not over its share: nothing is reserved for the
-    # idle other key, and 1.8 x 0.1 s = 0.18 s fits.
-    idle = dataclasses.replace(keyed(flood=0.0, calm=0.0), margin=0.8)
-    assert judge(CRITICAL, [idle], 100, key_id="calm").admit
-    # Its second request is over its share: the other key's 0.083 s is kept free too.
-    # 1.8 x (0.05 + 0.083 + 0.1) = 0.42 s.
-    busy = dataclasses.replace(keyed(flood=0.0, calm=0.05), margin=0.8)
-    assert not judge(CRITICAL, [busy], 100, key_id="calm").admit
+    # A key's share is 0.3 / 2 = 0.15 s, less than its 200 ms prompt. With nothing of its own
+    # committed it is not over its share: nothing is reserved for the idle other key, and
+    # 0.2 s fits.
+    assert judge(CRITICAL, [keyed(flood=0.0, calm=0.0)], 200, key_id="calm").admit
+    # Its second request is over its share: the other key's 0.15 s is kept free too.
+    # 0.05 + 0.15 + 0.2 = 0.4 s.
+    assert not judge(CRITICAL, [keyed(flood=0.0, calm=0.05)], 200, key_id="calm").admit
 
 
 def test_weights_set_the_shares():
