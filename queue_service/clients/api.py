@@ -298,10 +298,10 @@ class ClientApi(serving_pb2_grpc.TierflowServicer):
                 requested_tier=record.tier,
                 served_tier=placement.served_tier,
                 predicted_ttft_s=round(judged.predicted_ttft_s, 3),
-                # The prediction's parts: switch + wait + (1 + margin) * own + error.
+                # The prediction's parts: switch + wait + own + margin * inflated + error.
                 **{
                     f"{part}_s": round(getattr(judged, f"{part}_s"), 3)
-                    for part in ("switch", "wait", "own", "error")
+                    for part in ("switch", "wait", "own", "inflated", "error")
                 },
                 margin=round(judged.margin, 3),
             )

@@ -19,11 +19,16 @@ came; ``admission_error``):
 
     predicted TTFT = switch_s + committed_s / W + (1 + margin) * own prefill + error_s
 
-The committed work is not inflated by the margin: it is a sum of several prefills whose errors
-partly cancel, so one prefill's p95 relative error taken over all of it overstated the wait
-(the TTFTs of a calm key's requests admitted behind 80-300 ms of it came 77-127 ms sooner than
-so predicted, and every calm refusal under the flood was one of those; docs/results.md). What
-the sum does miss comes back measured, in ``error_s``.
+For a key within its share of the tier (``fairness``) the committed work is not inflated by
+the margin: it is a sum of several prefills whose errors partly cancel, so one prefill's p95
+relative error taken over all of it overstated the wait (the TTFTs of a calm key's requests
+admitted behind 80-300 ms of it came 77-127 ms sooner than so predicted, and every calm
+refusal under the flood was one of those; docs/results.md). What the sum does miss comes back
+measured, in ``error_s``. For a key over its share the committed work is inflated too,
+``(1 + margin) * (committed_s / W + own prefill)``: what it is admitted into is the tier's
+spare capacity, a refusal costs it only a lower tier, and a miss costs the promise made to
+every admitted request. Calibrated, the flood's first admissions (its errors measured on a few
+requests with nothing ahead) missed the SLO behind 170-220 ms of work.
 
 A request is admitted at its tier when that is within the tier's SLO. The same rule covers a
 request whose own prefill alone exceeds the SLO.
@@ -126,12 +131,14 @@ class Verdict:
     predicted_ttft_s: float
     slo_s: float
     # Its parts, for the request log and a benchmark's timeline: predicted TTFT = switch_s +
-    # wait_s + (1 + margin) * own_s + error_s, wait_s the committed work ahead per worker.
+    # wait_s + own_s + margin * inflated_s + error_s, wait_s the committed work ahead per
+    # worker, inflated_s own_s (the key within its share) or wait_s + own_s (over it).
     wait_s: float = 0.0
     own_s: float = 0.0
     margin: float = 0.0
     switch_s: float = 0.0
     error_s: float = 0.0
+    inflated_s: float = 0.0
 
     @property
     def retry_after_s(self) -> int:
@@ -185,10 +192,11 @@ def judge(
     committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
     committed_s += sum(load.committed_s for load in above)
     wait_s = committed_s / workers
-    ttft_s = switch_s + wait_s + (1.0 + margin) * own_s + error_s
+    inflated_s = own_s + (wait_s if standing else 0.0)  # the module's text says why
+    ttft_s = switch_s + wait_s + own_s + margin * inflated_s + error_s
     return Verdict(
         tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
-        switch_s, error_s,
+        switch_s, error_s, inflated_s,
     )  # fmt: skip
 
 

@@ -66,14 +66,18 @@ def test_workers_share_the_committed_work_and_the_switch_adds_to_it():
     assert not judge(CRITICAL, [load(0.1, margin=0.4, switch_s=0.07)], 100).admit
 
 
-def test_the_margin_inflates_the_newcomers_own_prefill_not_the_committed_work():
-    # 0.15 s ahead and a 50 ms prompt at a margin of 1.0: 0.15 + 2 x 0.05 = 0.25 s, within.
-    # Inflating the committed work too would say 2 x 0.2 = 0.4 s.
-    verdict = judge(CRITICAL, [load(0.15, margin=1.0)], 50)
-    assert verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.25)
-    # Its own prefill is inflated: a 120 ms prompt alone is 0.24 s at that margin, refused
-    # behind 0.1 s of work.
-    assert not judge(CRITICAL, [load(0.1, margin=1.0)], 120).admit
+def test_the_margin_inflates_the_work_ahead_only_for_a_key_over_its_share():
+    # 0.15 s ahead and a 50 ms prompt at a margin of 1.0. Within its share only its own
+    # prefill is inflated: 0.15 + 2 x 0.05 = 0.25 s, admitted.
+    within = judge(CRITICAL, [load(0.15, margin=1.0)], 50, key_over_share=False)
+    assert within.admit and within.predicted_ttft_s == pytest.approx(0.25)
+    assert within.inflated_s == pytest.approx(0.05)
+    # Over its share the work ahead is inflated too: 2 x (0.15 + 0.05) = 0.4 s, refused.
+    over = judge(CRITICAL, [load(0.15, margin=1.0)], 50, key_over_share=True)
+    assert not over.admit and over.predicted_ttft_s == pytest.approx(0.4)
+    # Its own prefill is inflated either way: a 120 ms prompt is 0.24 s at that margin,
+    # refused behind 0.1 s of work.
+    assert not judge(CRITICAL, [load(0.1, margin=1.0)], 120, key_over_share=False).admit
 
 
 def test_a_prompt_whose_own_prefill_exceeds_the_slo_is_refused_on_an_idle_tier():

@@ -120,7 +120,7 @@ def test_the_flood_command_runs_every_scenario_and_writes_json_and_png(tmp_path)
         last = record["verdicts"][-1] if record["verdicts"] else None
         if last is not None:  # the rule applied: the last verdict is the one that decided
             assert last["admit"] == (served == last["tier"])
-            own_s = (1 + last["margin"]) * last["own_s"]
-            parts = last["switch_s"] + last["wait_s"] + own_s + last["error_s"]
+            work_s = last["wait_s"] + last["own_s"] + last["margin"] * last["inflated_s"]
+            parts = last["switch_s"] + work_s + last["error_s"]
             assert last["predicted_ttft_s"] == pytest.approx(parts)
     assert not [r for r in read(logs / "flood_off.jsonl") if r["kind"] == "admit"]
