@@ -226,8 +226,9 @@ class CapacityBoard:
         while True:
             loads = [p.load for p in self.loads(policy.name)]
             pending = self.pending(policy.name)
-            over = self._ask(policy.name, loads, prompt_tokens, key_id, weight)
-            verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above, over)
+            standings = self._ask(policy.name, loads, prompt_tokens, key_id, weight)
+            over = standings[key_id]
+            verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above, standings)
             if verdict is None:
                 unjudged = unjudged_reason(loads)
                 return Placement(tier, policy.name, tuple(verdicts), None, unjudged, over)
@@ -242,16 +243,21 @@ class CapacityBoard:
 
     def _ask(
         self, tier: str, loads: list[TierLoad], prompt_tokens: int, key_id: str, weight: float
-    ) -> bool:
-        """Count what the request asks of ``tier`` and say whether its key asked more than its
-        share of the tier's workers lately (among the loads' active keys and itself)."""
+    ) -> dict[str, bool]:
+        """Count what the request asks of ``tier``; then, of its key and of every active key
+        that asked here, whether it asked more than its share of the tier's workers lately
+        (among the loads' active keys and the request's)."""
         now = self.clock()
         self._asked.add(tier, key_id, own_prefill_s(loads, prompt_tokens), now)
         weights = {k.key_id: k.weight for load in loads for k in load.keys}
         weights[key_id] = weight
-        fraction = weight / sum(weights.values())
+        total = sum(weights.values())
         workers = sum(load.workers for load in loads)
-        return self._asked.over_share(tier, key_id, fraction, workers, now)
+        return {
+            k: self._asked.over_share(tier, k, w / total, workers, now)
+            for k, w in weights.items()
+            if self._asked.knows(tier, k)
+        }
 
     def _forget_old(self) -> None:
         oldest_ms = (self.clock() - self.ledger_ttl_s) * 1000

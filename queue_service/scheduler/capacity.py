@@ -37,9 +37,11 @@ Between the keys of a tier (``fairness``) the scheduler serves in weighted fair 
 work ahead of a newcomer of key k is not all the tier's committed work. Fair order lays each
 key's work out in virtual time from ``V``, less the key's burst credit ``B_j``: the tier's
 capacity (``capacity_j`` below, with key j's own error) for a key within its share of what the
-tier is asked, 0 for a key over it (``fairness.SentRates``: the newcomer's key as the admitting
-instance measures it now, ``key_over_share``; the others as the owner published them,
-``KeyLoad.over_share``). The
+tier is asked, 0 for a key over it (``fairness.SentRates``: each key the admitting instance
+has seen ask, as it measures that key now, ``standings``; the others as the owner published
+them, ``KeyLoad.over_share``). The owner's is the standing of the last request it was sent: a
+flood whose every request admission refused kept there the standing of its first, within its
+share, and the calm key was charged the flood's unused share (docs/results.md). The
 newcomer finishes at ``f`` past ``V``; of every other key j, what lies before ``f`` runs first,
 or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later, does not
 preempt it). A key over its share of the rate, or holding more than its share of the tier's
@@ -72,7 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierflow.tiers import TierPolicy
@@ -160,14 +162,15 @@ def judge(
     key_id: str = "",
     key_weight: float = 1.0,
     above: Sequence[TierLoad] = (),
-    key_over_share: bool | None = None,
+    standings: Mapping[str, bool] | None = None,
 ) -> Verdict | None:
     """Whether a request of ``prompt_tokens`` from key ``key_id`` is admitted at ``tier`` on
     top of ``loads`` and of ``pending`` (requests admitted that no load counts yet), behind
     the committed work of the higher tiers (``above``: it runs first on the same workers);
-    ``key_over_share``: the key's standing as admission measures it now (None: as the loads
-    say). None when the rule cannot be applied: no worker serves the tier, or no load has a
-    calibrated predictor (the request then stands at its tier)."""
+    ``standings``: whether each key admission has seen is over its share, as it measures
+    them now (a key not in it: as the loads say). None when the rule cannot be applied: no
+    worker serves the tier, or no load has a calibrated predictor (the request then stands at
+    its tier)."""
     workers = sum(load.workers for load in loads)
     calibrated = [load for load in loads if load.calibrated and load.workers > 0]
     if workers == 0 or not calibrated:
@@ -181,9 +184,12 @@ def judge(
     switch_s = max(load.switch_s for load in loads)
     tier_error_s = max(load.error_s for load in loads)
     keys = _key_loads(loads, pending, prefill_s, tier_error_s)
-    mine = keys.get(key_id, KeyLoad(key_id, key_weight, 0.0, tier_error_s))
-    standing = mine.over_share if key_over_share is None else key_over_share
-    keys[key_id] = dataclasses.replace(mine, weight=key_weight, over_share=standing)
+    mine = keys.setdefault(key_id, KeyLoad(key_id, key_weight, 0.0, tier_error_s))
+    keys[key_id] = dataclasses.replace(mine, weight=key_weight)
+    for k, over in (standings or {}).items():
+        if k in keys:
+            keys[k] = dataclasses.replace(keys[k], over_share=over)
+    standing = keys[key_id].over_share
     error_s = mine.error_s
 
     def capacity_s(key: KeyLoad) -> float:  # with the key's own error: see the module's text

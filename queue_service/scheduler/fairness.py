@@ -151,6 +151,10 @@ class SentRates:
         sent_s, as_of, first = self._sent.get((tier, key_id), (0.0, now, now))
         self._sent[(tier, key_id)] = (self._decay(sent_s, as_of, now) + seconds, now, first)
 
+    def knows(self, tier: str, key_id: str) -> bool:
+        """Whether the key asked anything of the tier here (and is still remembered)."""
+        return (tier, key_id) in self._sent
+
     def rate(self, tier: str, key_id: str, now: float) -> float:
         """Predicted prefill seconds a second the key asked of the tier. Over a key's first
         seconds the average is over the time since it was first seen (at least

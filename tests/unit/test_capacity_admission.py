@@ -69,15 +69,15 @@ def test_workers_share_the_committed_work_and_the_switch_adds_to_it():
 def test_the_margin_inflates_the_work_ahead_only_for_a_key_over_its_share():
     # 0.15 s ahead and a 50 ms prompt at a margin of 1.0. Within its share only its own
     # prefill is inflated: 0.15 + 2 x 0.05 = 0.25 s, admitted.
-    within = judge(CRITICAL, [load(0.15, margin=1.0)], 50, key_over_share=False)
+    within = judge(CRITICAL, [load(0.15, margin=1.0)], 50, standings={"": False})
     assert within.admit and within.predicted_ttft_s == pytest.approx(0.25)
     assert within.inflated_s == pytest.approx(0.05)
     # Over its share the work ahead is inflated too: 2 x (0.15 + 0.05) = 0.4 s, refused.
-    over = judge(CRITICAL, [load(0.15, margin=1.0)], 50, key_over_share=True)
+    over = judge(CRITICAL, [load(0.15, margin=1.0)], 50, standings={"": True})
     assert not over.admit and over.predicted_ttft_s == pytest.approx(0.4)
     # Its own prefill is inflated either way: a 120 ms prompt is 0.24 s at that margin,
     # refused behind 0.1 s of work.
-    assert not judge(CRITICAL, [load(0.1, margin=1.0)], 120, key_over_share=False).admit
+    assert not judge(CRITICAL, [load(0.1, margin=1.0)], 120, standings={"": False}).admit
 
 
 def test_a_prompt_whose_own_prefill_exceeds_the_slo_is_refused_on_an_idle_tier():
@@ -287,6 +287,22 @@ def test_admission_finds_a_key_that_asks_more_than_its_share_over_it():
     big = board.place("critical", 200, "flood")
     assert big.served_tier == "standard"
     assert big.verdicts[0].predicted_ttft_s == pytest.approx(0.35)
+
+
+def test_admission_judges_every_key_it_saw_ask_by_what_it_asked_not_by_the_owners_stamp():
+    clock = Clock()
+    # The owner last saw the flood within its share: admission refused everything after.
+    board = board_with(clock, PublishedLoad("owner", clock.now, keyed(flood=0.0, calm=0.1), {}))
+    for _ in range(200):  # the flood asks 0.05 s every 10 ms for 2 s, refused or not
+        clock.now += 0.01
+        board.place("critical", 50, "flood")
+    board.update(PublishedLoad("owner", clock.now, keyed(flood=0.0, calm=0.1), {}))
+    # The calm key holds more than its share (0.1 + 0.1 > 0.15 s); a flood within its share
+    # would have its unused 0.15 s kept free: 0.1 + 0.15 + 0.1 = 0.35 s. Over it, it has none
+    # kept: 0.2 s.
+    calm = board.place("critical", 100, "calm")
+    assert calm.served_tier == "critical" and not calm.over_share
+    assert calm.admitting.predicted_ttft_s == pytest.approx(0.2)
 
 
 def test_own_admissions_count_until_a_load_counts_them():
