@@ -304,7 +304,7 @@ def _counts(sent: list, records: list[LogRecord], metrics: Counter) -> dict:
 
 
 def _resent(probe: dict) -> str:
-    tries = {name: n for name, n in probe.get("tries", {}).items() if n > 1}
+    tries = {name: n for name, n in probe["tries"].items() if n > 1}
     return f" Backlogs sent again (a side served none): {tries}." if tries else ""
 
 
