@@ -23,7 +23,11 @@ thread does between commands:
   next layer boundary and keeps its activations;
   the prefill goes first, and the step is finished when a row is due or the prefill ends, so
   the wait for an interruption point is one layer of a step, not the whole step. A step is
-  reported as one ``DecodeStepDone`` carrying every row's token;
+  reported as one ``DecodeStepDone`` carrying every row's token. A prefill's reported time
+  (``FirstToken.prefill_busy_s``) leaves the steps slotted into it out: the scheduler's
+  predictor learns the prefill's own time, and the scheduler counts the slotted steps apart
+  (``decode_batch.slotting_slowdown``). Learnt inside the prefill's time, a flood's decode
+  rows made a calm key's short prompts look up to twice as long (docs/results.md);
 - ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
   counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
   joins it again, and a dropped one recomputes when assigned again, reported as
@@ -95,6 +99,9 @@ NO_TARGET = float("inf")
 class _Progress:
     busy_s: float = 0.0  # engine time spent on this request's prefill, all runs
     run_started: float = 0.0
+    # The decode steps of other rows slotted into those runs: inside ``busy_s``, but not the
+    # prefill's own time, which the scheduler's predictor learns (module docstring).
+    slotted_s: float = 0.0
 
 
 @dataclass
@@ -138,7 +145,7 @@ class _Listener:
             return
         now = time.perf_counter()
         progress = entry.progress
-        busy = progress.busy_s + now - progress.run_started
+        busy = progress.busy_s + now - progress.run_started - progress.slotted_s
         pack = entry.pack
         size = len(pack.tasks) if pack is not None else 0
         tokens = sum(t.prompt_len for t in pack.tasks) if pack is not None else 0
@@ -502,6 +509,9 @@ class BatchRunner:
     def _on_step(self, result: StepResult) -> None:
         if not result.slotted:
             self.busy.add(result.seconds)
+        for rid in self._running if result.slotted else ():
+            if (entry := self._entries.get(rid)) is not None:
+                entry.progress.slotted_s += result.seconds
         if result.tasks:
             self.emit(
                 DecodeStepDone(

@@ -33,7 +33,9 @@ class FirstToken:
     request_id: str
     token_id: int
     at: float
-    prefill_busy_s: float  # engine time spent on this prefill, summed over its runs
+    # Engine time spent on this prefill, summed over its runs, less the decode steps of other
+    # rows slotted into them: the prefill's own time, which the scheduler's predictor learns.
+    prefill_busy_s: float
     prompt_tokens: int
     # Prefilled in a pack (``worker.packed_prefill``): the pack's prompt tokens and members;
     # ``prefill_busy_s`` is then the pack's. 0: prefilled alone.

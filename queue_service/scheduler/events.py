@@ -61,10 +61,11 @@ class PrefillFinished:
     """First token sent; the request decodes on the same worker until RequestDone.
 
     ``tokens``: prompt tokens prefilled. ``prefill_s``: measured busy seconds to prefill them
-    once (time spent suspended excluded); it refits the prefill-time predictor (0: do not,
-    e.g. a dropped decode's recompute, whose first token is long out). ``pack_tokens``: it was
-    prefilled in a pack of that many prompt tokens, and ``prefill_s`` is the pack's time; it
-    teaches the packed-prefill cost instead.
+    once (time spent suspended, and decode steps of other rows slotted in, excluded: the
+    scheduler counts those apart, ``decode_batch``); it refits the prefill-time predictor (0:
+    do not, e.g. a dropped decode's recompute, whose first token is long out).
+    ``pack_tokens``: it was prefilled in a pack of that many prompt tokens, and ``prefill_s``
+    is the pack's time; it teaches the packed-prefill cost instead.
     """
 
     request_id: str

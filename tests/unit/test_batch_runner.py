@@ -466,6 +466,36 @@ def test_a_prefill_at_least_as_urgent_assigned_during_a_decode_step_runs_before_
         assert tokens[name] == reference(model, ids[name], n)[0], name
 
 
+def test_a_prefill_reports_its_own_time_without_the_decode_steps_slotted_into_it(tiny_llama):
+    """The scheduler's predictor learns a prefill's reported time, and counts slotted steps
+    apart (``decode_batch``). Each step inside the prefill is slowed by 20 ms, so they are
+    most of its run: the reported time and the slotted steps together fit in the time from
+    its assignment to its first token; a report with the steps inside it would not."""
+    stream = Stream()
+    runner = start(tiny_llama.model, stream)
+    step = runner.engine.decode_step
+
+    def slow_inside_a_prefill(*args, **kwargs):
+        if runner._running:
+            time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    runner.engine.decode_step = slow_inside_a_prefill
+    try:
+        runner.assign(greedy("d", prompt(20, 500, seed=70), 120), tbt_slo_s=0.001)
+        stream.until(FirstToken, "d")
+        assigned = time.perf_counter()
+        runner.assign(greedy("p", prompt(150, 500, seed=71), 2), tbt_slo_s=0.001)
+        first, seen = stream.until(FirstToken, "p")
+        drain(stream, ["d", "p"])
+    finally:
+        runner.stop()
+    slotted_s = sum(e.seconds for e in seen if isinstance(e, DecodeStepDone) and e.slotted)
+    assert slotted_s >= 0.1  # at least five steps slotted in
+    assert first.prefill_busy_s > 0
+    assert first.prefill_busy_s + slotted_s <= first.at - assigned
+
+
 def run_two_requests(model, idle_s: float) -> tuple[BatchEngine, BatchRunner]:
     """A runner that served two requests to the end (the caller stops it)."""
     engine = BatchEngine(
