@@ -79,6 +79,7 @@ def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
             for k in load.keys
         ],
         error_s=load.error_s,
+        busy_share=load.busy_share,
     )
 
 
@@ -100,6 +101,7 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
             for k in record.keys
         ),
         error_s=record.error_s,
+        busy_share=record.busy_share,
     )
     return PublishedLoad(
         record.instance_id,

@@ -64,10 +64,22 @@ A key that floods the tier fills at most what the others' committed work and unu
 leave of it, and a key within its share has its whole burst ahead of the flood's waiting work.
 With one key the formula is the one above.
 
-A request downgraded to the next tier is judged there too, with the higher tiers' committed
-work added to ``committed_s`` (it runs first, on the same workers): it is served at the lower
-tier only if it can meet that tier's SLO, else refused. So a downgrade never turns a flood of
-the top tier into an unbounded backlog of the next one.
+A request downgraded to the next tier is judged there too: it is served at the lower tier only
+if it can meet that tier's SLO, else refused. So a downgrade never turns a flood of the top
+tier into an unbounded backlog of the next one. The higher tiers' committed work runs first, on
+the same workers; and while they keep arriving they keep taking the workers, so the lower
+tier's own work drains only at the share of the workers they leave (``share_left``: 1 less
+each higher tier's ``busy_share``, the share of its workers' time its prefills took lately,
+measured by its owner):
+
+    wait_s = committed_above / W + committed_s / (W * left)     own prefill / left
+
+and the lower tier's capacity for credits and shares is reckoned on ``W * left`` workers.
+Without it, under a flood that the top tier's admission kept at its capacity (its prefills
+took about 60 % of the worker), requests downgraded to standard were admitted on predictions
+of 0.3-0.9 s and got their first token up to 20 s later, against the tier's SLO of 3 s, and
+standard's own requests waited 15 s behind them (docs/results.md). At the top tier ``left`` is
+1 and the formulas above are unchanged.
 """
 
 from __future__ import annotations
@@ -108,6 +120,9 @@ class TierLoad:
     calibrated: bool  # the predictor was fitted to measurements, not its fallback
     keys: tuple[KeyLoad, ...] = ()  # per key: the committed work, and the keys active lately
     error_s: float = 0.0  # what admission adds for a key it has no error of (the tier's)
+    # The share of the workers' time the tier's prefills took lately (measured by its owner):
+    # what a lower tier's work does not get (``share_left``).
+    busy_share: float = 0.0
 
 
 def predict_prefill_s(coefficients: tuple[float, float, float], prompt_tokens: int) -> float:
@@ -134,13 +149,16 @@ class Verdict:
     slo_s: float
     # Its parts, for the request log and a benchmark's timeline: predicted TTFT = switch_s +
     # wait_s + own_s + margin * inflated_s + error_s, wait_s the committed work ahead per
-    # worker, inflated_s own_s (the key within its share) or wait_s + own_s (over it).
+    # worker, inflated_s own_s (the key within its share) or wait_s + own_s (over it). Below
+    # the top tier its own tier's work ahead and its own prefill are stretched by what the
+    # higher tiers leave of the workers (``share_left``; 1 at the top).
     wait_s: float = 0.0
     own_s: float = 0.0
     margin: float = 0.0
     switch_s: float = 0.0
     error_s: float = 0.0
     inflated_s: float = 0.0
+    share_left: float = 1.0
 
     @property
     def retry_after_s(self) -> int:
@@ -192,18 +210,39 @@ def judge(
     standing = keys[key_id].over_share
     error_s = mine.error_s
 
-    def capacity_s(key: KeyLoad) -> float:  # with the key's own error: see the module's text
-        return tier_capacity_s(workers, tier.ttft_slo_s, switch_s + key.error_s)
+    left = share_left(above)
+    drain = workers * left  # prefill seconds a second the tier's own work gets
 
-    committed_s = _ahead_s(keys, key_id, own_s, capacity_s)
-    committed_s += sum(load.committed_s for load in above)
-    wait_s = committed_s / workers
+    def capacity_s(key: KeyLoad) -> float:  # with the key's own error: see the module's text
+        return tier_capacity_s(drain, tier.ttft_slo_s, switch_s + key.error_s)
+
+    ahead_s = _ahead_s(keys, key_id, own_s, capacity_s)
+    wait_s = sum(load.committed_s for load in above) / workers + ahead_s / drain
+    own_s /= left
     inflated_s = own_s + (wait_s if standing else 0.0)  # the module's text says why
     ttft_s = switch_s + wait_s + own_s + margin * inflated_s + error_s
     return Verdict(
         tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
-        switch_s, error_s, inflated_s,
+        switch_s, error_s, inflated_s, left,
     )  # fmt: skip
+
+
+# A lower tier is judged with at least this share of the workers left to it: it then holds
+# a twentieth of its SLO's worth of work, and keeps admitting the shortest and measuring.
+MIN_SHARE_LEFT = 0.05
+
+
+def share_left(above: Sequence[TierLoad]) -> float:
+    """The share of the workers' time the higher tiers (``above``: their loads, every owner's)
+    leave to a lower tier: 1 less each higher tier's busy share, that tier's owners' shares
+    weighted by their workers."""
+    busy: dict[str, float] = {}
+    workers: dict[str, int] = {}
+    for load in above:
+        busy[load.tier] = busy.get(load.tier, 0.0) + load.busy_share * load.workers
+        workers[load.tier] = workers.get(load.tier, 0) + load.workers
+    taken = sum(busy[t] / workers[t] for t in busy if workers[t])
+    return max(MIN_SHARE_LEFT, 1.0 - taken)
 
 
 @dataclass(frozen=True)
@@ -272,9 +311,10 @@ def key_share_s(capacity_s: float, weight: float, weights: Sequence[float]) -> f
     return capacity_s * weight / sum(weights)
 
 
-def tier_capacity_s(workers: int, slo_s: float, switch_s: float) -> float:
+def tier_capacity_s(workers: float, slo_s: float, switch_s: float) -> float:
     """The predicted prefill seconds a tier can hold in flight and still meet its SLO
-    (``switch_s``: with admission's error added)."""
+    (``switch_s``: with admission's error added; ``workers``: what the tier's work gets of
+    them, ``share_left``)."""
     return workers * max(0.0, slo_s - switch_s)
 
 

@@ -192,6 +192,10 @@ class Scheduler:
         self._live_keys: dict[str, dict[str, list]] = {name: {} for name in tiers.names}
         self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
         self._keys = fairness.KeyBook(self.config.remember_keys)
+        # The prefill seconds each tier's requests took of the workers lately (the same
+        # decayed average as what keys ask, ``fairness.SentRates``): what a higher tier leaves
+        # of the workers is what a lower tier's work drains at (``capacity``, ``busy_share``).
+        self._served = fairness.SentRates()
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
@@ -389,6 +393,8 @@ class Scheduler:
             self._learn_pack(req, ev)
         else:
             self._learn_prefill(req, ev)
+        if not ev.pack_tokens or req.pack[:1] == (req.request_id,):  # a pack's time once
+            self._served.add(req.tier.name, "", ev.prefill_s, now)
         req.pack = ()  # the pack's state is gone: each member holds its own KV now
         # Its first token is out, so it is now a cheap victim: a decision point.
         return self._schedule(now) if self._decides(now) else []
@@ -822,7 +828,8 @@ class Scheduler:
     def tier_load(self, tier: str, now: float) -> TierLoad:
         """The tier's committed work here, for admission against its capacity
         (``capacity.judge``): the predicted prefill time left of its live requests, in all and
-        per key, with every key that sent the tier a request in the last ``key_active_s``."""
+        per key, with every key that sent the tier a request in the last ``key_active_s``; and
+        the share of the workers' time its prefills took lately."""
         weights = dict(self._keys.active(tier, now - self.config.key_active_s))
         weights.update((key, held[1]) for key, held in self._live_keys[tier].items())
         by_key = dict.fromkeys(weights, 0.0)
@@ -835,9 +842,10 @@ class Scheduler:
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s
         over = {k: self._keys.over_share(tier, k) for k in by_key}
+        workers = self._serving_workers()
         return TierLoad(
             tier=tier,
-            workers=self._serving_workers(),
+            workers=workers,
             committed_s=sum(by_key.values()),
             keys=tuple(
                 KeyLoad(
@@ -855,6 +863,7 @@ class Scheduler:
             margin=self.prediction_errors.margin(),
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
+            busy_share=self._served.rate(tier, "", now) / workers if workers else 0.0,
         )
 
     def planned(self) -> tuple[frozenset[str], bool]:

@@ -25,7 +25,15 @@ from queue_service.scheduler import (
     WorkerJoined,
 )
 from queue_service.scheduler.admission_error import AdmissionErrors
-from queue_service.scheduler.capacity import KeyLoad, Pending, TierLoad, judge, predict_prefill_s
+from queue_service.scheduler.capacity import (
+    MIN_SHARE_LEFT,
+    KeyLoad,
+    Pending,
+    TierLoad,
+    judge,
+    predict_prefill_s,
+    share_left,
+)
 from tierflow.tiers import TierPolicy, TierTable, loads_tiers
 
 # 1 ms a prompt token, nothing else: a 100-token prompt prefills in 0.1 s.
@@ -340,6 +348,40 @@ def test_a_downgrade_is_served_below_only_if_it_meets_that_tiers_slo_behind_the_
     assert board.place("standard", 100).served_tier == "standard"
 
 
+def test_below_the_top_tier_its_own_work_drains_at_the_share_the_higher_tiers_leave():
+    standard = TIERS["standard"]
+    busy = dataclasses.replace(load(0.2), busy_share=0.75)  # critical took 3/4 of the worker
+    # 0.2 s of critical work first; then 0.5 s of standard work and its own 0.1 s, at a
+    # quarter of the worker: 0.2 + (0.5 + 0.1) / 0.25 = 2.6 s.
+    verdict = judge(standard, [load(0.5, tier="standard")], 100, above=[busy])
+    assert verdict.share_left == pytest.approx(0.25)
+    assert verdict.predicted_ttft_s == pytest.approx(2.6) and verdict.admit
+    assert not judge(standard, [load(0.7, tier="standard")], 100, above=[busy]).admit  # 3.4 s
+    # Idle above, the same work fits whole: 0.2 + 0.6 + 0.1 s.
+    idle = judge(standard, [load(0.6, tier="standard")], 100, above=[load(0.2)])
+    assert idle.share_left == 1.0 and idle.predicted_ttft_s == pytest.approx(0.9)
+    # Two owners of the tier above: their shares weighted by their workers.
+    two = [dataclasses.replace(load(0.0, workers=w), busy_share=b) for w, b in ((1, 0.9), (3, 0.1))]
+    assert share_left(two) == pytest.approx(1 - (0.9 + 0.3) / 4)
+    # A tier above that takes everything leaves a floor: the shortest still get measured.
+    assert share_left([dataclasses.replace(load(0.0), busy_share=1.3)]) == MIN_SHARE_LEFT
+
+
+def test_a_downgrade_is_refused_where_the_higher_tier_leaves_too_little_to_meet_the_slo():
+    clock = Clock()
+    critical = PublishedLoad("owner", clock.now, load(0.25), {})
+    board = board_with(clock, critical)
+    board.update(PublishedLoad("owner", clock.now, load(0.6, tier="standard"), {}))
+    # 0.25 + 0.6 + 0.1 s at standard: served there while critical's prefills leave it all.
+    assert board.place("critical", 100).served_tier == "standard"
+    # Critical's prefills took 80 % of the worker lately: 0.25 + 0.7 / 0.2 = 3.75 s > 3 s.
+    busy = dataclasses.replace(critical.load, busy_share=0.8)
+    board.update(dataclasses.replace(critical, load=busy))
+    placement = board.place("critical", 100)
+    assert placement.served_tier is None
+    assert placement.refusal.predicted_ttft_s == pytest.approx(3.75)
+
+
 def test_admission_judges_the_tiers_with_a_rule_and_the_tier_a_downgrade_sends_to():
     assert TIERS.judged() == ("critical", "standard")
     assert loads_tiers(SHIPPED_LIKE).judged() == ("critical",)
@@ -406,6 +448,7 @@ def test_an_older_load_of_the_same_owner_does_not_replace_a_newer_one():
 def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
     keyed = dataclasses.replace(
         load(0.7, workers=3, margin=0.2),
+        busy_share=0.4,
         keys=(
             KeyLoad("acme", 2.0, 0.5, running_s=0.25, over_share=True),
             KeyLoad("zed", 1.0, 0.2),
@@ -441,6 +484,20 @@ def test_the_scheduler_commits_the_prefill_left_of_its_live_requests_of_the_tier
     after = scheduler.tier_load("critical", 0.1)
     assert after.committed_s == pytest.approx(0.2)
     assert after.keys[0].running_s == pytest.approx(0.2)
+
+
+def test_the_scheduler_measures_the_share_of_the_workers_time_each_tiers_prefills_take():
+    scheduler = Scheduler("flowprefill", TIERS, PrefillTimePredictor(*PER_TOKEN))
+    for worker in ("w0", "w1"):
+        scheduler.handle(WorkerJoined(worker, kv_slots=4), 0.0)
+    # 0.5 s of critical prefill a second on two workers, for 20 s (two window's lengths).
+    for i in range(40):
+        t = i * 0.5
+        scheduler.handle(RequestArrived(f"c{i}", "critical", 250), t)
+        scheduler.handle(PrefillFinished(f"c{i}", "w0", 250, 0.25), t + 0.25)
+        scheduler.handle(RequestDone(f"c{i}", "w0"), t + 0.25)
+    assert scheduler.tier_load("critical", 20.0).busy_share == pytest.approx(0.25, rel=0.1)
+    assert scheduler.tier_load("standard", 20.0).busy_share == 0.0
 
 
 def measured_scheduler() -> Scheduler:
