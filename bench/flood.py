@@ -2,7 +2,8 @@
 
 Two critical keys of equal share (weight 1): ``calm`` sends within its share (``calm_share`` of
 the critical tier's capacity) and ``flood`` sends ``flood_factor`` times that capacity, beside
-standard and batch traffic (the sustained mix at ``others_factor``). The critical tier's
+standard and batch traffic (the sustained mix at ``others_factor``, and the standard tier's own
+short requests at ``chat_share`` of the capacity, so that its check has an n). The critical tier's
 capacity is measured, not assumed: lone requests of the tier's mean prompt through the same
 harness and workers (``measure_critical_capacity``). Critical prompts are short enough to meet
 the SLO alone.
@@ -59,6 +60,10 @@ class FloodConfig:
     calm_share: float = 0.25  # the calm key's rate, as a share of the critical capacity
     flood_factor: float = 3.0  # the flooding key's rate, in critical capacities
     others_factor: float = 0.375  # standard and batch at this multiple of the sustained mix
+    # The standard tier's own short requests (the critical mix's prompts, key "chat"), at this
+    # share of the critical capacity: the sustained mix sends standard about 4 requests a run,
+    # too few for the standard check to say anything.
+    chat_share: float = 0.15
     max_new_tokens: int = 16  # outputs up to this (log-normal, bench.workload.output_lengths)
     seed: int = 0
 
@@ -108,9 +113,9 @@ def predictor_copy(predictor: PrefillTimePredictor) -> PrefillTimePredictor:
 
 
 def flood_workload(cfg: FloodConfig, capacity_per_s: float, with_flood: bool) -> Workload:
-    """The calm key until ``calm_requests`` arrived; the flood over the same time; standard
-    and batch from the sustained mix. The calm key's arrivals are the same with or without
-    the flood."""
+    """The calm key until ``calm_requests`` arrived; the flood over the same time; the
+    standard tier's short requests (``chat_share``); standard and batch from the sustained mix.
+    The calm key's arrivals are the same with or without the flood."""
     critical = DEFAULT_MIX[0]
     calm_rate = cfg.calm_share * capacity_per_s
     duration = cfg.calm_requests / calm_rate
@@ -118,6 +123,8 @@ def flood_workload(cfg: FloodConfig, capacity_per_s: float, with_flood: bool) ->
     arrivals = _poisson(rng, critical, calm_rate, duration, "calm", cfg.calm_requests)
     flood = _poisson(rng, critical, cfg.flood_factor * capacity_per_s, duration, "flood")
     arrivals += flood if with_flood else []
+    chat = replace(critical, tier="standard")
+    arrivals += _poisson(rng, chat, cfg.chat_share * capacity_per_s, duration, "chat")
     others = tuple(replace(m, rate_per_s=m.rate_per_s * cfg.others_factor) for m in DEFAULT_MIX[1:])
     arrivals += synthetic(others, duration_s=duration, seed=cfg.seed).arrivals
     arrivals.sort(key=lambda a: (a.at_s, a.request_id))

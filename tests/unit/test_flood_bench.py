@@ -38,6 +38,11 @@ def test_the_calm_key_sends_its_requests_at_its_share_and_the_flood_three_capaci
     assert not [a for a in alone.arrivals if a.key_id == "flood"]
     assert {a.tier for a in alone.arrivals} == {"critical", "standard", "batch"}
     assert max(a.prompt_tokens for a in calm + flood) <= 96  # short: within the SLO alone
+    # Standard's own short requests, enough for its check to have an n, the same in both.
+    chat = [a for a in flooded.arrivals if a.key_id == "chat"]
+    assert {a.tier for a in chat} == {"standard"}
+    assert 0.8 < len(chat) / (CFG.chat_share * capacity * duration) < 1.2
+    assert [a.at_s for a in alone.arrivals if a.key_id == "chat"] == [a.at_s for a in chat]
 
 
 def test_each_scenario_sets_its_rule_keys_and_admission():
