@@ -27,7 +27,7 @@ thread does between commands:
   (``FirstToken.prefill_busy_s``) leaves the steps slotted into it out: the scheduler's
   predictor learns the prefill's own time, and the scheduler counts the slotted steps apart
   (``decode_batch.slotting_slowdown``). Learnt inside the prefill's time, a flood's decode
-  rows made a calm key's short prompts look up to twice as long (docs/results.md);
+  rows made a calm key's short prompts look a quarter longer (docs/results.md);
 - ``pause_decode`` (or a ``preempt`` of a decoding request) pauses it between steps (KV kept,
   counted against the memory cap; past it, dropped), reported as ``Preempted``; ``resume``
   joins it again, and a dropped one recomputes when assigned again, reported as
