@@ -195,7 +195,13 @@ class Scheduler:
         # The prefill seconds each tier's requests took of the workers lately (the same
         # decayed average as what keys ask, ``fairness.SentRates``): what a higher tier leaves
         # of the workers is what a lower tier's work drains at (``capacity``, ``busy_share``).
-        self._served = fairness.SentRates()
+        # Over a tier's first second its share is that of the time since its first prefill
+        # ended (at least a quarter second), not of a whole second: averaged over a second, a
+        # flood that took 80 % of the worker from its start left standard 0.63-0.85 of it on
+        # paper for half a second, and 11 requests downgraded then waited 9 s (docs/results.md).
+        # The first prefill's own time lies before that, so the share reads high at first (a
+        # downgrade then waits for it to settle); it is at most 1 (``tier_load``).
+        self._served = fairness.SentRates(min_age_s=0.25)
         self._workers: dict[str, WorkerSlot] = {}  # in join order
         self._timers: dict[str, float] = {}  # request id -> armed wake-up time
         self._decided_at = -math.inf  # when the last decision was made
@@ -863,7 +869,7 @@ class Scheduler:
             margin=self.prediction_errors.margin(),
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
-            busy_share=self._served.rate(tier, "", now) / workers if workers else 0.0,
+            busy_share=min(1.0, self._served.rate(tier, "", now) / workers) if workers else 0.0,
         )
 
     def planned(self) -> tuple[frozenset[str], bool]:

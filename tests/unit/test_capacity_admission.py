@@ -500,6 +500,17 @@ def test_the_scheduler_measures_the_share_of_the_workers_time_each_tiers_prefill
     assert scheduler.tier_load("standard", 20.0).busy_share == 0.0
 
 
+def test_a_tiers_first_busy_share_is_that_of_the_time_since_its_first_prefill():
+    scheduler = Scheduler("flowprefill", TIERS, PrefillTimePredictor(*PER_TOKEN))
+    scheduler.handle(WorkerJoined("w0", kv_slots=4), 0.0)
+    scheduler.handle(RequestArrived("c0", "critical", 200), 0.0)
+    scheduler.handle(PrefillFinished("c0", "w0", 200, 0.2), 0.2)
+    scheduler.handle(RequestArrived("c1", "critical", 200), 0.2)
+    scheduler.handle(PrefillFinished("c1", "w0", 200, 0.2), 0.4)
+    # 0.4 s of prefill since it began: the whole worker (read high, at most 1), not 0.4 of it.
+    assert scheduler.tier_load("critical", 0.4).busy_share == 1.0
+
+
 def measured_scheduler() -> Scheduler:
     """One worker and a predictor calibrated to ``PER_TOKEN``, kept as it is."""
     predictor = PrefillTimePredictor(*PER_TOKEN)
