@@ -12,7 +12,8 @@ No scheduling decision is made here.
   Keyed by request id, written from the sending thread (never blocks the loop), acks=all.
 * ``RequestLog`` is thread-safe. ``publish`` blocks until the broker acknowledged: call it from
   an executor thread (``loop.run_in_executor``), never on the asyncio loop. ``publish_reply``
-  never blocks: it queues the record for a sending thread of its own and returns a future.
+  (and ``publish_capacity``, ``publish_finished``) never blocks: it queues the record for a
+  sending thread of its own and returns a future that ends with the broker's ack.
 * ``ReplyConsumer``: all calls from one thread (kafka-python's consumer is not thread-safe).
 * **Readable by the usual tools.** Every record carries two headers: ``content-type``
   (``application/x-protobuf``) and ``message`` (the protobuf message's full name, e.g.
@@ -26,11 +27,13 @@ import concurrent.futures
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import structlog
 from google.protobuf.message import DecodeError, Message
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.producer.future import FutureRecordMetadata
 
 from tierflow.kafka_settings import KafkaSettings
 from tierflow.tiers import TierPolicy
@@ -39,6 +42,8 @@ from tierflow.v1 import queue_pb2
 log = structlog.get_logger("queue_service.broker.io")
 
 CONTENT_TYPE = "application/x-protobuf"
+
+T = TypeVar("T")
 
 
 def record_headers(message: Message) -> list[tuple[str, bytes]]:
@@ -134,12 +139,12 @@ def ensure_topics(
 
 # ---------------------------------------------------------------------------------- producer
 
-Guard = Callable[..., None]
+Guard = Callable[..., Any]
 
 
-def direct(write: Callable[..., None], *args: object) -> None:
+def direct(write: Callable[..., T], *args: object) -> T:
     """The guard of a RequestLog without a breaker: just the write."""
-    write(*args)
+    return write(*args)
 
 
 class RequestLog:
@@ -154,11 +159,19 @@ class RequestLog:
             self._producer = KafkaProducer(**settings.producer_config())
         except KafkaError as exc:
             raise QueueUnavailableError(f"Kafka at {settings.bootstrap}: {exc!r}") from exc
-        # Replies are sent from this one thread: publish_reply must not block the asyncio loop
-        # (the first send to a topic waits for its metadata), and one thread keeps the replies
-        # of a request in order.
-        self._reply_sender = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tierflow-reply-sender"
+        # Queued records are sent from this one thread: publish_reply must not block the
+        # asyncio loop (the first send to a topic waits for its metadata), and one sender keeps
+        # the replies of a request in order (the idempotent producer keeps that order with
+        # several batches in flight). Their acks are awaited on a second thread, in the same
+        # order: a sender that waited for each ack before the next send wrote one record per
+        # round trip to the broker, which a decode's tokens relayed to another instance can
+        # outrun on a loaded machine, and every tier load queued behind them then reaches the
+        # other instances stale.
+        self._sender = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tierflow-kafka-sender"
+        )
+        self._acks = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tierflow-kafka-acks"
         )
 
     def publish(self, record: queue_pb2.QueuedRequest, timeout: float | None = None) -> None:
@@ -200,29 +213,75 @@ class RequestLog:
     def _queue(
         self, topic: str, key: str, message: Message, failure: str, **context: str
     ) -> concurrent.futures.Future[None]:
-        """Send on the one sending thread, in order; a failure is logged with ``context``."""
-        future = self._reply_sender.submit(
-            self._guard, self._send_and_wait, topic, key, message, None
-        )
+        """Send on the one sending thread, in order; the future ends with the broker's ack. A
+        failure is logged with ``context``."""
+        acked: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._sender.submit(self._send_then_await, topic, key, message, acked)
 
         def log_failure(done: concurrent.futures.Future[None]) -> None:
             if not done.cancelled() and done.exception() is not None:
                 log.error(failure, error=str(done.exception()), **context)
 
-        future.add_done_callback(log_failure)
-        return future
+        acked.add_done_callback(log_failure)
+        return acked
+
+    def _send_then_await(
+        self, topic: str, key: str, message: Message, acked: concurrent.futures.Future[None]
+    ) -> None:
+        """On the sending thread: hand the record to the producer and its ack to the ack
+        thread. Both steps run under the guard, so that a failure of either trips it."""
+        producer = self._producer
+        try:
+            sent = self._guard(self._send, producer, topic, key, message)
+        except Exception as exc:  # the future carries it to whoever waits, and to the log
+            acked.set_exception(exc)
+            return
+        self._acks.submit(self._await_into, sent, producer, topic, acked)
+
+    def _await_into(
+        self,
+        sent: FutureRecordMetadata,
+        producer: KafkaProducer,
+        topic: str,
+        acked: concurrent.futures.Future[None],
+    ) -> None:
+        # A record of a producer renewed since (after an outage) fails for that outage, which
+        # is over: its failure must not trip the guard again.
+        guard = self._guard if producer is self._producer else direct
+        try:
+            guard(self._await_ack, sent, topic, None)
+        except Exception as exc:
+            acked.set_exception(exc)
+        else:
+            acked.set_result(None)
 
     def _send_and_wait(self, topic: str, key: str, message: Message, timeout: float | None) -> None:
-        # delivery_timeout_ms bounds the wait for the ack; the margin covers the metadata wait.
-        if timeout is None:
-            timeout = (self.settings.delivery_timeout_ms + self.settings.max_block_ms) / 1000
+        self._await_ack(self._send(self._producer, topic, key, message), topic, timeout)
+
+    @staticmethod
+    def _send(
+        producer: KafkaProducer, topic: str, key: str, message: Message
+    ) -> FutureRecordMetadata:
+        """Hand the record to ``producer`` (which waits for the topic's metadata the first
+        time); its ack is the returned future's."""
         try:
-            self._producer.send(
+            return producer.send(
                 topic,
                 key=key.encode(),
                 value=message.SerializeToString(),
                 headers=record_headers(message),
-            ).get(timeout=timeout)
+            )
+        except KafkaError as exc:
+            raise QueueUnavailableError(
+                f"Kafka did not take the record for {topic}: {exc!r}"
+            ) from exc
+
+    def _await_ack(self, sent: FutureRecordMetadata, topic: str, timeout: float | None) -> None:
+        # delivery_timeout_ms bounds the wait for the ack; the margin covers the metadata wait.
+        if timeout is None:
+            timeout = (self.settings.delivery_timeout_ms + self.settings.max_block_ms) / 1000
+        try:
+            sent.get(timeout=timeout)
         except KafkaError as exc:
             raise QueueUnavailableError(
                 f"Kafka did not take the record for {topic}: {exc!r}"
@@ -249,7 +308,8 @@ class RequestLog:
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then close."""
-        self._reply_sender.shutdown(wait=True)
+        self._sender.shutdown(wait=True)  # every record handed over: its ack is queued
+        self._acks.shutdown(wait=True)
         self._producer.close(timeout=timeout)
 
     def __enter__(self) -> RequestLog:
