@@ -58,6 +58,11 @@ class QueueUnavailableError(RuntimeError):
     """Kafka did not take the record (unreachable, topic missing, timed out): nothing is queued."""
 
 
+class _Abandoned(Exception):
+    """A queued record of a producer renewed since: not a QueueUnavailableError, so that the
+    guard lets it pass without counting it."""
+
+
 def tier_names(tiers: Iterable[str | TierPolicy]) -> tuple[str, ...]:
     """Tier names in the order given (a TierTable iterates most important first)."""
     names = tuple(t if isinstance(t, str) else t.name for t in tiers)
@@ -161,12 +166,12 @@ class RequestLog:
             raise QueueUnavailableError(f"Kafka at {settings.bootstrap}: {exc!r}") from exc
         # Queued records are sent from this one thread: publish_reply must not block the
         # asyncio loop (the first send to a topic waits for its metadata), and one sender keeps
-        # the replies of a request in order (the idempotent producer keeps that order with
-        # several batches in flight). Their acks are awaited on a second thread, in the same
-        # order: a sender that waited for each ack before the next send wrote one record per
-        # round trip to the broker, which a decode's tokens relayed to another instance can
-        # outrun on a loaded machine, and every tier load queued behind them then reaches the
-        # other instances stale.
+        # the replies of a request in order (an idempotent producer sends one batch of a
+        # partition at a time: kafka-python mutes the partition meanwhile). Their acks are
+        # awaited on a second thread, in the same order: a sender that waited for each ack
+        # before the next send wrote one record per round trip to the broker, which a decode's
+        # tokens relayed to another instance can outrun on a loaded machine, and every tier
+        # load queued behind them then reaches the other instances stale.
         self._sender = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tierflow-kafka-sender"
         )
@@ -230,13 +235,11 @@ class RequestLog:
     ) -> None:
         """On the sending thread: hand the record to the producer and its ack to the ack
         thread. Both steps run under the guard, so that a failure of either trips it."""
-        producer = self._producer
         try:
-            sent = self._guard(self._send, producer, topic, key, message)
+            producer, sent = self._guard(self._send, topic, key, message)
+            self._acks.submit(self._await_into, sent, producer, topic, acked)
         except Exception as exc:  # the future carries it to whoever waits, and to the log
             acked.set_exception(exc)
-            return
-        self._acks.submit(self._await_into, sent, producer, topic, acked)
 
     def _await_into(
         self,
@@ -245,27 +248,38 @@ class RequestLog:
         topic: str,
         acked: concurrent.futures.Future[None],
     ) -> None:
-        # A record of a producer renewed since (after an outage) fails for that outage, which
-        # is over: its failure must not trip the guard again.
-        guard = self._guard if producer is self._producer else direct
         try:
-            guard(self._await_ack, sent, topic, None)
+            self._guard(self._await_ack_of, sent, producer, topic)
+        except _Abandoned as exc:
+            acked.set_exception(QueueUnavailableError(str(exc)))
         except Exception as exc:
             acked.set_exception(exc)
         else:
             acked.set_result(None)
 
-    def _send_and_wait(self, topic: str, key: str, message: Message, timeout: float | None) -> None:
-        self._await_ack(self._send(self._producer, topic, key, message), topic, timeout)
-
-    @staticmethod
-    def _send(
-        producer: KafkaProducer, topic: str, key: str, message: Message
-    ) -> FutureRecordMetadata:
-        """Hand the record to ``producer`` (which waits for the topic's metadata the first
-        time); its ack is the returned future's."""
+    def _await_ack_of(
+        self, sent: FutureRecordMetadata, producer: KafkaProducer, topic: str
+    ) -> None:
         try:
-            return producer.send(
+            self._await_ack(sent, topic, None)
+        except QueueUnavailableError as exc:
+            if producer is not self._producer:
+                # Renewed since, after an outage: the record failed for that outage, which is
+                # over, so its failure must not trip the guard again.
+                raise _Abandoned(str(exc)) from exc
+            raise
+
+    def _send_and_wait(self, topic: str, key: str, message: Message, timeout: float | None) -> None:
+        self._await_ack(self._send(topic, key, message)[1], topic, timeout)
+
+    def _send(
+        self, topic: str, key: str, message: Message
+    ) -> tuple[KafkaProducer, FutureRecordMetadata]:
+        """Hand the record to the producer (which waits for the topic's metadata the first
+        time); its ack is the returned future's."""
+        producer = self._producer
+        try:
+            return producer, producer.send(
                 topic,
                 key=key.encode(),
                 value=message.SerializeToString(),

@@ -26,12 +26,14 @@ class Ack:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: Exception | None = None
+        self.awaited = threading.Event()  # someone waits for it
 
     def end(self, error: Exception | None = None) -> None:
         self._error = error
         self._done.set()
 
     def get(self, timeout: float) -> None:
+        self.awaited.set()
         if not self._done.wait(timeout):
             raise KafkaTimeoutError("no ack")
         if self._error is not None:
@@ -44,8 +46,11 @@ class Producer:
     def __init__(self, **config: object) -> None:
         self.sent: list[tuple[str, bytes]] = []
         self.acks: list[Ack] = []
+        self.refuse: Exception | None = None  # what the next send raises
 
     def send(self, topic: str, *, key: bytes, value: bytes, headers: list) -> Ack:
+        if self.refuse is not None:
+            raise self.refuse
         self.sent.append((topic, key))
         self.acks.append(Ack())
         return self.acks[-1]
@@ -117,12 +122,22 @@ def test_an_ack_failing_after_the_producer_was_renewed_leaves_the_guard_alone(
     request_log: RequestLog,
 ) -> None:
     """Renewing the producer ends the outage that failed the old one's records: their failure
-    must not open the breaker again."""
+    must not open the breaker again, though the wait for the ack began before the renewal."""
     old = request_log._producer
     abandoned = request_log.publish_reply("b", queue_pb2.ReplyRecord(request_id="old"))
-    wait_until(lambda: len(old.sent) == 1)
+    wait_until(lambda: len(old.acks) == 1 and old.acks[0].awaited.is_set())
     request_log.renew_producer()
     old.acks[0].end(KafkaTimeoutError("producer closed"))
     with pytest.raises(QueueUnavailableError):
         abandoned.result(timeout=DEADLINE_S)
     assert request_log.guarded == []
+
+
+def test_a_record_the_producer_refuses_fails_its_write_and_trips_the_guard(
+    request_log: RequestLog,
+) -> None:
+    request_log._producer.refuse = KafkaTimeoutError("no metadata for the topic")
+    refused = request_log.publish_capacity(queue_pb2.TierCapacity(tier="critical"))
+    with pytest.raises(QueueUnavailableError, match="no metadata for the topic"):
+        refused.result(timeout=DEADLINE_S)
+    assert len(request_log.guarded) == 1
