@@ -169,9 +169,8 @@ class RequestLog:
         # the replies of a request in order (an idempotent producer sends one batch of a
         # partition at a time: kafka-python mutes the partition meanwhile). Their acks are
         # awaited on a second thread, in the same order: a sender that waited for each ack
-        # before the next send wrote one record per round trip to the broker, which a decode's
-        # tokens relayed to another instance can outrun on a loaded machine, and every tier
-        # load queued behind them then reaches the other instances stale.
+        # before the next send wrote one record per round trip to the broker, and every tier
+        # load queued behind a backlog of replies reached the other instances late by it.
         self._sender = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tierflow-kafka-sender"
         )

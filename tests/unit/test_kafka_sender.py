@@ -87,9 +87,8 @@ def wait_until(condition) -> None:
 
 
 def test_queued_records_are_all_sent_before_the_first_ack(request_log: RequestLog) -> None:
-    """One ack per send capped the writes at one record per round trip to the broker: a
-    decode's tokens relayed to another instance outran it, and the tier loads queued behind
-    them reached the other instances stale."""
+    """One ack per send capped the writes at one record per round trip to the broker, and a
+    tier load queued behind a backlog of replies reached the other instances late by it."""
     producer = request_log._producer
     futures = [
         request_log.publish_reply("b", queue_pb2.ReplyRecord(request_id="r")),
