@@ -51,8 +51,7 @@ ms that no request of their tier could stop, made a calm key's first requests la
 (docs/results.md, "One key floods the critical tier"). A key over its share of the rate, or
 holding more than its share of the tier's capacity with work of its own already committed
 (``c_k + own > share_k``, ``c_k > 0``), leaves the unused share of every other key within its
-share free: that key may send it any time and,
-with its credit, run it first.
+share free: that key may send it any time and, with its credit, run it first.
 
     f           = (c_k + own - B_k) / w_k
     committed_s = c_k + sum_j max(r_j if c_k >= B_k else 0, min(c_j, max(0, w_j * f + B_j)))
