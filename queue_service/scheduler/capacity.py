@@ -43,18 +43,14 @@ them, ``KeyLoad.over_share``). The owner's is the standing of the last request i
 flood whose every request admission refused kept there the standing of its first, within its
 share, and the calm key was charged the flood's unused share (docs/results.md). The
 newcomer finishes at ``f`` past ``V``; of every other key j, what lies before ``f`` runs first,
-or at least ``r_j``, what of key j is prefilling now, unless the newcomer starts before ``V``
-(``c_k < B_k``): fair order then ranks it before that prefill, which it preempts if it would
-miss its deadline behind it (``fairness.goes_first``), and it waits only for the switch. Until
-keys could preempt each other, the flood's first requests, packed into one prefill of 110-200
-ms that no request of their tier could stop, made a calm key's first requests late or refused
-(docs/results.md, "One key floods the critical tier"). A key over its share of the rate, or
-holding more than its share of the tier's capacity with work of its own already committed
-(``c_k + own > share_k``, ``c_k > 0``), leaves the unused share of every other key within its
-share free: that key may send it any time and, with its credit, run it first.
+or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later, does not
+preempt it). A key over its share of the rate, or holding more than its share of the tier's
+capacity with work of its own already committed (``c_k + own > share_k``, ``c_k > 0``), leaves
+the unused share of every other key within its share free: that key may send it any time and,
+with its credit, run it first.
 
     f           = (c_k + own - B_k) / w_k
-    committed_s = c_k + sum_j max(r_j if c_k >= B_k else 0, min(c_j, max(0, w_j * f + B_j)))
+    committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + B_j)))
                       + (sum_j max(0, share_j - c_j)  over keys j within their share,
                          if k is over its share or c_k > 0 and c_k + own > share_k)
     capacity_j  = W * (SLO - switch_s - error_j)
@@ -105,7 +101,7 @@ class KeyLoad:
     committed_s: float
     error_s: float = 0.0  # what admission adds for the key (``admission_error``)
     # The part of ``committed_s`` prefilling on a worker now. Another key's newcomer waits for
-    # it unless fair order ranks the newcomer first (``_ahead_s``).
+    # it whatever fair order says: a same-tier request of a later deadline does not preempt it.
     running_s: float = 0.0
     # The key sent the tier more than its share lately (``fairness``): no burst credit.
     over_share: bool = False
@@ -339,13 +335,8 @@ def _ahead_s(
         return key_share_s(capacity_s(key), key.weight, weights)
 
     finish = (mine.committed_s + own_s - credit_s(mine)) / mine.weight  # past V
-    # Starting before V, it goes before the prefill running now (``fairness.goes_first``).
-    first = mine.committed_s < credit_s(mine)
     ahead = mine.committed_s + sum(
-        max(
-            min(k.committed_s, max(0.0, k.weight * finish + credit_s(k))),
-            0.0 if first else k.running_s,
-        )
+        max(min(k.committed_s, max(0.0, k.weight * finish + credit_s(k))), k.running_s)
         for k in others
     )
     if mine.over_share or (mine.committed_s > 0 and mine.committed_s + own_s > share_s(mine)):

@@ -42,11 +42,6 @@ The tier's requests then take the tier's places in the policy's ranking in start
 * with one key in a tier (every request of the demo, of the benchmarks without keys) the order
   is exactly the policy's.
 
-Fair order also says who may preempt between two keys of a tier (``goes_first``): a request
-that it ranks first stops another key's prefill, a pack included, rather than miss its deadline
-behind it. A flood's first requests, packed into one prefill of 110-200 ms that no request of
-their tier could stop, made a calm key's first requests late or refused (docs/results.md).
-
 What a key may hold of a tier is bounded at admission (``capacity.judge``), which keeps each
 active key's share free for it; ``KeyBook`` also says which keys are active.
 """
@@ -210,23 +205,6 @@ def fair_order(ranked: Sequence[Request], late: Collection[str] = ()) -> list[Re
             cursor[tier] += 1
         order.append(req)
     return order
-
-
-def goes_first(waiting: Request, running: Request, running_late: bool) -> bool:
-    """Whether fair order puts ``waiting`` before ``running``, a prefill of another key of its
-    tier, so that ``waiting`` may preempt it (``planner._pick_victim``, and only to save its
-    deadline: ``SchedulingPolicy.should_preempt_between_keys``). A late prefill keeps only the
-    place the policy gives it, behind its tier's on-time work (``fair_order``). Otherwise the
-    start tags decide, and only for a key within its share: a key over its share gets no burst
-    credit, and stopping another key's prefill would spend that key's slack on its excess.
-
-    Start tags never change, so a victim never ranks before its beneficiary once the worker is
-    free (no preempt/resume loop), and a pack gives way as one (every member of one key)."""
-    if running_late:
-        return True
-    if waiting.key_over_share:
-        return False
-    return (waiting.fair_tag, waiting.seq) < (running.fair_tag, running.seq)
 
 
 def _by_start_tag(requests: Sequence[Request]) -> list[Request]:

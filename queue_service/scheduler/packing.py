@@ -31,12 +31,10 @@ densely under the mask, so a pack costs about what a prompt of its total length 
 
 A pack is one unit of work on its worker: its first member holds the worker's prefill
 (``WorkerSlot.active``), the others ride along (``WorkerSlot.riders``), a preemption stops and
-suspends all of it, a resume of any member resumes all of it. Only a higher tier, or a request
-of another key that fair order ranks first (``fairness.goes_first``), preempts a pack
-(``planner._pick_victim``): its members' deadlines are as tight as any newcomer's of their
-tier and key, and stopping several of them for one such newcomer would loop (preempt, re-pack
-with the newcomer, preempt again at the next arrival). A newcomer of another key cannot join
-the pack, and fair order keeps it ahead of the pack's members.
+suspends all of it, a resume of any member resumes all of it. Only a higher tier preempts a
+pack (``planner._pick_victim``): its members' deadlines are as tight as any newcomer's of their
+tier, and stopping several of them for one would loop (preempt, re-pack with the newcomer,
+preempt again at the next arrival).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from queue_service.scheduler.fairness import fair_order, goes_first
+from queue_service.scheduler.fairness import fair_order
 from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey, slack_s
 from queue_service.scheduler.prediction_error import PredictionErrors, SwitchTime
 from queue_service.scheduler.predictor import PrefillTimePredictor
@@ -410,15 +410,13 @@ def _pick_victim(
     for worker_id, running in victims.items():
         if running.tier.rank < req.tier.rank and not running.prefilled:
             continue  # no policy lets a lower tier stop a higher tier's prefill
-        running_left = victim_left[worker_id]
-        # Between the keys of one tier fair order decides (``fairness``), not deadlines: only a
-        # request that it ranks first stops another key's prefill. By deadline the victim
-        # would rank first again once the worker is free (a preempt/resume loop).
-        between_keys = running.tier is req.tier and running.key_id != req.key_id
-        if between_keys and not goes_first(req, running, slack_s(running, now, running_left) < 0):
+        if running.tier is req.tier and running.key_id != req.key_id:
+            # Between the keys of one tier fair order decides (``fairness``), not deadlines:
+            # preempting by deadline would let the victim rank first again once the worker
+            # is free (a preempt/resume loop).
             continue
-        if len(running.pack) > 1 and req.tier.rank >= running.tier.rank and not between_keys:
-            continue  # a pack gives way to a higher tier or another key only (``packing``)
+        if len(running.pack) > 1 and req.tier.rank >= running.tier.rank:
+            continue  # a pack gives way to a higher tier only (``packing``)
         # Past the cap on suspended states (memory), the victim's state is dropped: it is
         # recomputed later, which beats a higher tier waiting behind it.
         drop = policy.drop_state
@@ -431,6 +429,7 @@ def _pick_victim(
             # leave the beneficiary without one, and the freed prefill would go straight back
             # to the victim (a preempt/resume loop).
             drop = drop or (not worker.has_kv_slot and pinned is None)
+        running_left = victim_left[worker_id]
         # Built directly: dataclasses.replace costs five times as much, in the hottest loop.
         pair = Outlook(
             outlook.waiting_remaining_s,
@@ -440,8 +439,7 @@ def _pick_victim(
             outlook.due,
             outlook.switch_s,
         )
-        decide = policy.should_preempt_between_keys if between_keys else policy.should_preempt
-        if decide(req, running, now, pair):
+        if policy.should_preempt(req, running, now, pair):
             key = policy.victim_key(running, now, running_left, outlook.waiting_remaining_s)
             eligible.append(((drop and not policy.drop_state, key), running, drop))
     if not eligible:

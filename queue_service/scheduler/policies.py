@@ -121,17 +121,8 @@ class SchedulingPolicy(ABC):
 
         The scheduler has already excluded running requests that may not be preempted, and
         the prefills of a tier above the waiting request's: no policy lets a lower tier stop
-        a higher tier's prefill (``planner._pick_victim``). Two keys of one tier are asked
-        ``should_preempt_between_keys`` instead.
+        a higher tier's prefill (``planner._pick_victim``).
         """
-        return False
-
-    def should_preempt_between_keys(
-        self, waiting: Request, running: Request, now: float, outlook: Outlook
-    ) -> bool:
-        """Whether ``waiting`` justifies preempting ``running``, a prefill of another key of
-        its tier that fair order ranks after it (``fairness.goes_first``). Default: never, as
-        for any two requests of one tier under a policy that preempts only for a higher tier."""
         return False
 
     def latest_start_s(
@@ -254,9 +245,7 @@ class FlowPrefill(SchedulingPolicy):
     behind the waiting one, when the waiting request would miss its deadline by waiting, with
     predictions inflated by the predictor's observed error margin; when it is late already
     (waiting only adds to its TTFT) and the running request is of a lower tier; or when its
-    wake-up fired (it waited on a prediction that turned out wrong). Between two keys of one
-    tier, fair order ranks (``fairness.goes_first``) and the same deadline rule decides
-    (``should_preempt_between_keys``).
+    wake-up fired (it waited on a prediction that turned out wrong).
 
     ``switch_s``: the least time assumed for a preemption to take effect; the scheduler
     passes the observed p95 (about the preemption budget) when that is longer.
@@ -312,20 +301,6 @@ class FlowPrefill(SchedulingPolicy):
             # of its own tier or above, which is on time or, late too, due no later.
             return running.tier.rank > waiting.tier.rank and outlook.wait_s > switch
         return misses_behind(waiting, now, outlook.wait_s, wait_left, outlook.margin, switch)
-
-    def should_preempt_between_keys(
-        self, waiting: Request, running: Request, now: float, outlook: Outlook
-    ) -> bool:
-        # Only to save a deadline: the victim, of the same tier, loses a switch or its slack.
-        if waiting.prefilled or running.prefilled:
-            return False
-        switch = max(self.switch_s, outlook.switch_s)
-        wait_left = outlook.waiting_remaining_s
-        if slack_s(waiting, now + switch, wait_left) < 0:
-            return False  # late: stopping its equal would not save it
-        return outlook.due or misses_behind(
-            waiting, now, outlook.wait_s, wait_left, outlook.margin, switch
-        )
 
     def holds_off(
         self,

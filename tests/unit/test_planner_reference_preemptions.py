@@ -2,8 +2,7 @@
 ``_cheaper_eviction`` as it was then): the same decisions on random fleets. The reference
 recomputed each victim's predicted time for every waiting request, rebuilt the allowed victims
 and scanned every worker for the next free one, per waiting request: O(waiting x workers) for
-the bookkeeping alone. Kept verbatim but for names, and for the rule between two keys of one
-tier (``fairness.goes_first``), which both apply alike since keys may preempt each other.
+the bookkeeping alone. Kept verbatim but for names.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from queue_service.scheduler import PrefillTimePredictor, make_policy
-from queue_service.scheduler.fairness import goes_first
 from queue_service.scheduler.planner import (
     Estimator,
     Preemption,
@@ -25,7 +23,7 @@ from queue_service.scheduler.planner import (
     evictable_decodes,
     rank_waiting,
 )
-from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey, slack_s
+from queue_service.scheduler.policies import Outlook, SchedulingPolicy, SortKey
 from queue_service.scheduler.prediction_error import PredictionErrors
 from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 from tests.tiers import UNIT_TIERS
@@ -150,13 +148,13 @@ def reference_pick_victim(
     for worker_id, running in victims.items():
         if pinned is not None and worker_id != pinned:
             continue  # a suspended request can only run where its state is
-        running_left = estimator.prefill_left(running, now)
-        # Between the keys of one tier fair order decides (``fairness``), not deadlines.
-        between_keys = running.tier is req.tier and running.key_id != req.key_id
-        if between_keys and not goes_first(req, running, slack_s(running, now, running_left) < 0):
+        if running.tier is req.tier and running.key_id != req.key_id:
+            # Between the keys of one tier fair order decides (``fairness``), not deadlines:
+            # preempting by deadline would let the victim rank first again once the worker
+            # is free (a preempt/resume loop).
             continue
-        if len(running.pack) > 1 and req.tier.rank >= running.tier.rank and not between_keys:
-            continue  # a pack gives way to a higher tier or another key only (``packing``)
+        if len(running.pack) > 1 and req.tier.rank >= running.tier.rank:
+            continue  # a pack gives way to a higher tier only (``packing``)
         # Past the cap on suspended states (memory), the victim's state is dropped: it is
         # recomputed later, which beats a higher tier waiting behind it.
         drop = policy.drop_state
@@ -168,9 +166,9 @@ def reference_pick_victim(
             # leave the beneficiary without one, and the freed prefill would go straight back
             # to the victim (a preempt/resume loop).
             drop = drop or (full[worker_id] and pinned is None)
+        running_left = estimator.prefill_left(running, now)
         outlook = Outlook(waiting_left, running_left, wait_s, margin, req.due, switch_s)
-        decide = policy.should_preempt_between_keys if between_keys else policy.should_preempt
-        if decide(req, running, now, outlook):
+        if policy.should_preempt(req, running, now, outlook):
             key = policy.victim_key(running, now, running_left, busy_s)
             eligible.append(((drop and not policy.drop_state, key), running, drop))
     if not eligible:
@@ -186,7 +184,6 @@ running_spec = st.tuples(
     st.floats(0.0, 0.9),  # share of its prefill done
     st.integers(0, 8),  # preemptions so far
     st.integers(0, 2),  # key (of one key with a waiting request: deadlines decide between them)
-    st.floats(-1.0, 1.0),  # its start tag among the keys of its tier (``fairness``)
 )
 decode_spec = st.tuples(st.sampled_from(UNIT_TIERS.names), st.integers(10, 2000))
 worker_spec = st.tuples(
@@ -202,8 +199,6 @@ waiting_spec = st.tuples(
     st.integers(1, 400) | st.integers(1, 2000),
     st.integers(0, 2),  # key
     st.booleans(),  # due (its wake-up fired)
-    st.floats(-1.0, 1.0),  # start tag
-    st.booleans(),  # its key over its share
 )
 
 
@@ -223,11 +218,10 @@ def build(workers_specs, waiting_specs, now):
         worker = WorkerSlot(f"w{w}", w + 1, kv_slots=slots, draining=draining)
         workers.append(worker)
         if prefill is not None:
-            tier, ago, tokens, share, preemptions, key, tag = prefill
+            tier, ago, tokens, share, preemptions, key = prefill
             req = new(f"p{w}", tier, ago, tokens, worker_id=worker.worker_id,
                       state=RequestState.RUNNING, tokens_done=int(tokens * share),
-                      preemptions=preemptions, progress_at_s=now, key_id=f"k{key}",
-                      fair_tag=tag)  # fmt: skip
+                      preemptions=preemptions, progress_at_s=now, key_id=f"k{key}")  # fmt: skip
             worker.active = req.request_id
         for d, (tier, tokens) in enumerate(decodes):
             req = new(f"d{w}.{d}", tier, 0.5, tokens, worker_id=worker.worker_id,
@@ -237,9 +231,8 @@ def build(workers_specs, waiting_specs, now):
             req = new(f"s{w}.{s}", "batch", 1.0, 500, worker_id=worker.worker_id,
                       state=RequestState.SUSPENDED, tokens_done=200)  # fmt: skip
             worker.suspended[req.request_id] = None
-    for i, (tier, ago, tokens, key, due, tag, over) in enumerate(waiting_specs):
-        new(f"q{i}", tier, ago, tokens, key_id=f"k{key}", due=due, fair_tag=tag,
-            key_over_share=over)  # fmt: skip
+    for i, (tier, ago, tokens, key, due) in enumerate(waiting_specs):
+        new(f"q{i}", tier, ago, tokens, key_id=f"k{key}", due=due)
     return requests, workers
 
 

@@ -165,12 +165,11 @@ def test_a_running_pack_counts_as_one_prefill_in_the_committed_work():
     assert sched.tier_load("standard", 0.6).committed_s == pytest.approx(0.25)
 
 
-def test_a_pack_gives_way_to_a_higher_tier_or_another_key_only():
-    """A late pack is not preempted for a request of its own tier and key, even one that ranks
-    first and misses its deadline behind it: stopping every member for one newcomer of their
-    tier, and packing it with them again, would loop at each arrival (a higher tier preempts a
-    pack: ``test_a_pack_is_preempted_and_resumed_as_one_unit``; another key that fair order
-    ranks first: ``test_a_pack_gives_way_to_a_key_that_fair_order_ranks_first``)."""
+def test_a_pack_gives_way_to_a_higher_tier_only():
+    """A late pack is not preempted for a request of its own tier, even one that ranks first
+    and misses its deadline behind it: stopping every member for one newcomer of their tier,
+    and packing it with them again, would loop at each arrival (a higher tier preempts a pack:
+    ``test_a_pack_is_preempted_and_resumed_as_one_unit``)."""
     sched = batched()
     busy_with(sched, tokens=1000)
     for i, rid in enumerate(("a", "b")):
@@ -181,29 +180,6 @@ def test_a_pack_gives_way_to_a_higher_tier_or_another_key_only():
     # At 1.06 c ranks first (2.05 < 2.06) and misses its deadline behind the pack: it waits.
     assert arrive(sched, "x", "batch", 100, 1.06) == []
     assert sched.state_of("a") is RequestState.RUNNING
-
-
-def test_a_pack_gives_way_to_a_key_that_fair_order_ranks_first():
-    """The flood's pack holds one key (``packing``), so a calm request that fair order ranks
-    first and that would miss its deadline behind the pack stops it as one unit, and the pack
-    resumes after it: the newcomer cannot join the pack, so nothing loops."""
-    sched = batched()
-
-    def keyed(rid, key, tokens, now, arrival_s=None):
-        event = RequestArrived(rid, "critical", tokens, 50, arrival_s, key_id=key)
-        return step(sched, event, now)
-
-    assert keyed("f0", "flood", 400, 0.0) == [Assign("f0", "w0")]
-    assert keyed("f1", "flood", 100, 0.1) == []
-    assert keyed("f2", "flood", 100, 0.1) == []
-    assert first_token(sched, "f0", 0.4, tokens=400) == [AssignPacked(("f1", "f2"), "w0")]
-    # Due at 0.6 with 0.1 s of its own: on time now, late behind the pack (predicted as its
-    # head's 0.05 s left, inflated by the margin).
-    commands = keyed("calm", "calm", 100, 0.45, arrival_s=-0.4)
-    assert commands == [Preempt("f1", "w0", False), Preempt("f2", "w0", False)]
-    assert step(sched, PreemptionAcked("f1", "w0", 0, False), 0.46) == [Assign("calm", "w0")]
-    assert step(sched, PreemptionAcked("f2", "w0", 0, False), 0.46) == []
-    assert first_token(sched, "calm", 0.56) == [Resume("f1", "w0")]
 
 
 def test_no_pack_without_free_kv_slots_nor_on_a_single_slot_worker():
