@@ -170,7 +170,10 @@ def test_a_decode_dropped_for_a_higher_tier_comes_back_without_a_token_lost_or_r
     target = stack.queue_service()
     # Two KV slots: two decoding batch requests fill them.
     worker = stack.batched_worker(target, "wb", "--kv-slots", "2", "--max-batch-size", "2")
-    n = 200
+    # Long enough that both still decode when the critical request reaches the scheduler: at
+    # 200 tokens (about 0.8 s) one had finished and freed its slot after the critical request
+    # spent 775 ms between admission and delivery on CI's shared cores, and nothing was dropped.
+    n = 1000
     prompts = long_prompts(tiny_llama.model, 2, n)
     streams: dict[int, list] = {0: [], 1: []}
 
