@@ -41,16 +41,21 @@ tier is asked, 0 for a key over it (``fairness.SentRates``: each key the admitti
 has seen ask, as it measures that key now, ``standings``; the others as the owner published
 them, ``KeyLoad.over_share``). The owner's is the standing of the last request it was sent: a
 flood whose every request admission refused kept there the standing of its first, within its
-share, and the calm key was charged the flood's unused share (docs/results.md). The
-newcomer finishes at ``f`` past ``V``; of every other key j, what lies before ``f`` runs first,
-or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later, does not
-preempt it). A key over its share of the rate, or holding more than its share of the tier's
+share, and the calm key was charged the flood's unused share (docs/results.md). Where each
+key's committed work lies against ``V`` the owner publishes (``L_j``, ``KeyLoad.lead_s``: how
+much of it fair order places before ``V``, from the key's last finish tag): a key's first
+requests spend its credit, and a flood's, counted as if its credit were unspent, went ahead of
+a calm newcomer that the scheduler ran first (docs/results.md). Where it is unknown (a key
+summed over several owners) ``L_j = B_j``, the credit unspent. The newcomer starts after its
+key's work, at most its credit before ``V``, and finishes at ``f`` past ``V``; of every other
+key j, what lies before ``f`` runs first, or at least ``r_j``, what of key j is prefilling now
+(a newcomer of the tier, due later, does not preempt it). A key over its share of the rate, or holding more than its share of the tier's
 capacity with work of its own already committed (``c_k + own > share_k``, ``c_k > 0``), leaves
 the unused share of every other key within its share free: that key may send it any time and,
 with its credit, run it first.
 
-    f           = (c_k + own - B_k) / w_k
-    committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + B_j)))
+    f           = (max(c_k - L_k, -B_k) + own) / w_k
+    committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + L_j)))
                       + (sum_j max(0, share_j - c_j)  over keys j within their share,
                          if k is over its share or c_k > 0 and c_k + own > share_k)
     capacity_j  = W * (SLO - switch_s - error_j)
@@ -105,6 +110,11 @@ class KeyLoad:
     running_s: float = 0.0
     # The key sent the tier more than its share lately (``fairness``): no burst credit.
     over_share: bool = False
+    # How much of ``committed_s`` fair order places before the tier's virtual time ``V``
+    # (prefill seconds: the key's weight times how far its first start tag lies behind V;
+    # negative when it lies past V). None where unknown (summed over several owners, each with
+    # its own V): the key's burst credit is taken as unspent.
+    lead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -280,8 +290,14 @@ def _key_loads(
         running_s: float = 0.0,
         error_s: float = -1.0,
         over_share: bool = False,
+        lead_s: float | None = None,
+        pending: bool = False,
     ) -> None:
-        before = keys.get(key_id, KeyLoad(key_id, 0.0, 0.0, -1.0))
+        before = keys.get(key_id)
+        # A pending request's tags follow its key's committed work: where that starts is kept.
+        # Two owners' leads are against two virtual times, and do not add up: unknown.
+        lead = lead_s if before is None else before.lead_s if pending else None
+        before = before or KeyLoad(key_id, 0.0, 0.0, -1.0)
         keys[key_id] = KeyLoad(
             key_id,
             max(weight, before.weight),
@@ -289,16 +305,17 @@ def _key_loads(
             max(error_s, before.error_s),
             before.running_s + running_s,
             before.over_share or over_share,
+            lead,
         )
 
     for load in loads:
         named = sum(k.committed_s for k in load.keys)
-        for key in load.keys:
-            add(key.key_id, key.weight, key.committed_s, key.running_s, key.error_s, key.over_share)
+        for k in load.keys:
+            add(k.key_id, k.weight, k.committed_s, k.running_s, k.error_s, k.over_share, k.lead_s)
         if load.committed_s > named + 1e-9:
             add("", 1.0, load.committed_s - named)
     for item in pending:
-        add(item.key_id, item.weight, prefill_s(item.prompt_tokens))
+        add(item.key_id, item.weight, prefill_s(item.prompt_tokens), pending=True)
     unmeasured = [k for k in keys.values() if k.error_s < 0]  # no owner names it
     keys.update((k.key_id, dataclasses.replace(k, error_s=tier_error_s)) for k in unmeasured)
     return keys
@@ -334,9 +351,14 @@ def _ahead_s(
     def share_s(key: KeyLoad) -> float:
         return key_share_s(capacity_s(key), key.weight, weights)
 
-    finish = (mine.committed_s + own_s - credit_s(mine)) / mine.weight  # past V
+    def lead_s(key: KeyLoad) -> float:  # how much of the key's committed work lies before V
+        return credit_s(key) if key.lead_s is None else key.lead_s
+
+    # The newcomer's start tag: after its key's committed work, and at most its credit before V.
+    start = max(mine.committed_s - lead_s(mine), -credit_s(mine))
+    finish = (start + own_s) / mine.weight  # past V
     ahead = mine.committed_s + sum(
-        max(min(k.committed_s, max(0.0, k.weight * finish + credit_s(k))), k.running_s)
+        max(min(k.committed_s, max(0.0, k.weight * finish + lead_s(k))), k.running_s)
         for k in others
     )
     if mine.over_share or (mine.committed_s > 0 and mine.committed_s + own_s > share_s(mine)):

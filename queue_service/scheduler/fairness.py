@@ -18,10 +18,10 @@ issued, when none is left), kept from going back. A key that floods runs its tag
 
 A key that sends within its share of the tier gets a burst credit ``B``: its next ``B``
 seconds of work start before ``V``, before the waiting requests of every key over its share.
-Within its share means that the predicted prefill seconds it asked of the tier a second,
-admitted or not, averaged over the last 10 s, are at most its weight's share of the tier's
-workers (``SentRates``, at admission, which stamps the standing on each request it admits:
-``key_over_share``). ``B`` is the tier's whole capacity as admission reckons it
+Within its share means that the predicted prefill seconds it asked of the tier, admitted or
+not, decayed over the last 10 s, are at most its weight's share of the tier's workers over
+that time plus a burst of ``B`` (a token bucket's depth; ``SentRates``, at admission, which
+stamps the standing on each request it admits: ``key_over_share``). ``B`` is the tier's whole capacity as admission reckons it
 (``capacity.tier_capacity_s``, with the key's own error), not the key's share of it: a key
 sending a quarter of the tier's capacity at random (Poisson) holds more than half of the
 tier's in-flight capacity for a quarter of its requests, and dealt one for one with a flood
@@ -87,8 +87,7 @@ class KeyBook:
         ``credit_s``: the key's burst credit (``B``, 0 for a key over its share), asked only
         of a key whose last finish tag is behind the virtual time (a busy key's never matters)."""
         tier = req.tier.name
-        now_virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
-        virtual = self._virtual[tier] = max(self._virtual.get(tier, now_virtual), now_virtual)
+        virtual = self._virtual[tier] = self.virtual(tier, waiting)
         before = self._keys.get((tier, req.key_id))
         start = before.finish_tag if before else -math.inf
         if start < virtual:
@@ -98,6 +97,25 @@ class KeyBook:
         self._keys[(tier, req.key_id)] = entry
         self._top_tag[tier] = max(self._top_tag[tier], finish)
         return start
+
+    def virtual(self, tier: str, waiting: Iterable[Request]) -> float:
+        """The tier's virtual time ``V`` (``waiting`` as for ``arrive``); nothing recorded."""
+        now_virtual = min((r.fair_tag for r in waiting), default=self._top_tag[tier])
+        return max(self._virtual.get(tier, now_virtual), now_virtual)
+
+    def lead_s(
+        self, tier: str, key_id: str, committed_s: float, virtual: float, credit_s: float
+    ) -> float | None:
+        """How much of the key's ``committed_s`` fair order places before the virtual time
+        (``capacity.KeyLoad.lead_s``; None for a key not remembered): its work ends at its
+        last finish tag, or, for a key whose tags fell behind, where its credit (``credit_s``)
+        would start its next request. Admission lays the key's work out from there, not from
+        its whole credit: a flood's first requests had spent the credit, yet were counted
+        ahead of a calm newcomer that fair order ran first (docs/results.md)."""
+        entry = self._keys.get((tier, key_id))
+        if entry is None:
+            return None
+        return committed_s - max(entry.weight * (entry.finish_tag - virtual), -credit_s)
 
     def over_share(self, tier: str, key_id: str) -> bool:
         """The key's standing as its latest request of the tier carried it."""
@@ -160,19 +178,37 @@ class SentRates:
         seconds the average is over the time since it was first seen (at least
         ``min_age_s``), not the whole window: a flood that has just begun is not taken for
         a key within its share while its average fills."""
-        sent_s, as_of, first = self._sent.get((tier, key_id), (0.0, now, now))
+        return self._sent_s(tier, key_id, now) / self.rate_window_s(tier, key_id, now)
+
+    def rate_window_s(self, tier: str, key_id: str, now: float) -> float:
+        """The seconds ``rate`` averages over: the window, weighted as the sum decays, since
+        the key was first seen (at least ``min_age_s`` ago)."""
+        _, _, first = self._sent.get((tier, key_id), (0.0, now, now))
         age_s = max(self.min_age_s, now - first)
-        return self._decay(sent_s, as_of, now) / (
-            self.window_s * -math.expm1(-age_s / self.window_s)
-        )
+        return self.window_s * -math.expm1(-age_s / self.window_s)
+
+    def _sent_s(self, tier: str, key_id: str, now: float) -> float:
+        sent_s, as_of, _ = self._sent.get((tier, key_id), (0.0, now, now))
+        return self._decay(sent_s, as_of, now)
 
     def over_share(
-        self, tier: str, key_id: str, fraction: float, workers: float, now: float
+        self,
+        tier: str,
+        key_id: str,
+        fraction: float,
+        workers: float,
+        now: float,
+        burst_s: float = 0.0,
     ) -> bool:
         """Whether the key asked more than ``fraction`` (its weight over the active keys'
-        weights) of ``workers`` (a worker does a prefill second a second). With no worker
-        known (no fresh load) nothing can be said: not over."""
-        return workers > 0 and self.rate(tier, key_id, now) > fraction * workers
+        weights) of ``workers`` (a worker does a prefill second a second), beyond a burst of
+        ``burst_s`` seconds of work (a token bucket's depth: what the key may ask at once and
+        keep its standing). With no worker known (no fresh load) nothing can be said: not
+        over."""
+        if workers <= 0:
+            return False
+        allowed_s = self.rate_window_s(tier, key_id, now) * fraction * workers + burst_s
+        return self._sent_s(tier, key_id, now) > allowed_s
 
     def _decay(self, seconds: float, as_of: float, now: float) -> float:
         return seconds * math.exp(-max(0.0, now - as_of) / self.window_s)

@@ -67,7 +67,7 @@ from queue_service.scheduler.predictor import PrefillSample, PrefillTimePredicto
 from queue_service.scheduler.request import ON_WORKER, Request, RequestState, WorkerSlot
 from queue_service.scheduler.waiting_index import WaitingIndex
 from tierflow.recent import RecentMap
-from tierflow.tiers import TierTable
+from tierflow.tiers import TierPolicy, TierTable
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ class Scheduler:
             req,
             self.predictor.predict(req.prompt_tokens),
             self._fair_peers(tier.name, now),
-            credit_s=lambda: self._burst_credit_s(req),
+            credit_s=lambda: self._burst_credit_s(tier, req.key_id, req.key_over_share),
         )
         self._requests[rid] = req
         held = self._live_keys[tier.name].setdefault(req.key_id, [0, req.key_weight])
@@ -334,17 +334,16 @@ class Scheduler:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
 
-    def _burst_credit_s(self, req: Request) -> float:
+    def _burst_credit_s(self, tier: TierPolicy, key_id: str, over_share: bool) -> float:
         """What fair order lets the key run ahead of the keys over their share: the tier's
         capacity as admission reckons it (``capacity.tier_capacity_s``, with the key's own
         error) while admission finds the key within its share, else nothing (``fairness``)."""
-        if req.key_over_share:
+        if over_share:
             return 0.0
-        tier = req.tier.name
         return tier_capacity_s(
             self._serving_workers(),
-            req.tier.ttft_slo_s,
-            self.switch_s() + self.admission_errors.error_s(tier, req.key_id, within_share=True),
+            tier.ttft_slo_s,
+            self.switch_s() + self.admission_errors.error_s(tier.name, key_id, within_share=True),
         )
 
     def _on_progress(self, ev: PrefillProgress, now: float) -> list[Command]:
@@ -848,6 +847,14 @@ class Scheduler:
                 if r.state is RequestState.RUNNING:
                     running[r.key_id] += left_s
         over = {k: self._keys.over_share(tier, k) for k in by_key}
+        virtual = self._keys.virtual(tier, self._fair_peers(tier, now))
+        policy = self.tiers[tier]
+        lead = {
+            k: self._keys.lead_s(
+                tier, k, by_key[k], virtual, self._burst_credit_s(policy, k, over[k])
+            )
+            for k in by_key
+        }
         workers = self._serving_workers()
         return TierLoad(
             tier=tier,
@@ -861,6 +868,7 @@ class Scheduler:
                     self.admission_errors.error_s(tier, k, within_share=not over[k]),
                     running[k],
                     over[k],
+                    lead[k],
                 )
                 for k in sorted(by_key)
             ),

@@ -297,6 +297,22 @@ def test_admission_finds_a_key_that_asks_more_than_its_share_over_it():
     assert big.verdicts[0].predicted_ttft_s == pytest.approx(0.35)
 
 
+def test_a_keys_start_burst_keeps_its_standing_and_a_floods_start_does_not():
+    clock = Clock()
+    board = board_with(clock, PublishedLoad("owner", clock.now, keyed(flood=0.0, calm=0.0), {}))
+    # The calm key's first four 50 ms requests in 0.2 s: twice its share's rate (0.5 s a
+    # second), within the burst of its credit (the 0.3 s tier).
+    for _ in range(4):
+        clock.now += 0.05
+        assert not board.place("critical", 50, "calm").over_share
+    # The flood asks 0.05 s every 10 ms: past its share and the same burst within 0.1 s.
+    standings = []
+    for _ in range(10):
+        clock.now += 0.01
+        standings.append(board.place("critical", 50, "flood").over_share)
+    assert standings[:4] == [False] * 4 and standings[-3:] == [True] * 3
+
+
 def test_admission_judges_every_key_it_saw_ask_by_what_it_asked_not_by_the_owners_stamp():
     clock = Clock()
     # The owner last saw the flood within its share: admission refused everything after.
@@ -615,6 +631,10 @@ def test_a_loads_errors_survive_the_capacity_topic():
     back = published_load(load_record(PublishedLoad("i0", 1.0, load_now, {}))).load
     assert back.error_s == pytest.approx(0.05)
     assert back.keys[0].error_s == pytest.approx(0.02)
+    assert back.keys[0].lead_s is None  # unknown stays unknown, not 0
+    led = dataclasses.replace(load_now, keys=(KeyLoad("calm", 1.0, 0.1, lead_s=0.0),))
+    back = published_load(load_record(PublishedLoad("i0", 1.0, led, {}))).load
+    assert back.keys[0].lead_s == 0.0
 
 
 def test_admissions_error_counts_the_work_that_was_ahead_of_a_request():

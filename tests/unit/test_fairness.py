@@ -3,6 +3,7 @@ the scheduler on a fake clock; and what the scheduler publishes per key for admi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from queue_service.scheduler import (
     Scheduler,
     make_policy,
 )
+from queue_service.scheduler.capacity import judge
 from queue_service.scheduler.fairness import KeyBook, SentRates, fair_order
 from queue_service.scheduler.request import Request
 from tests.tiers import UNIT_TIERS
@@ -236,3 +238,40 @@ def test_only_a_key_admission_finds_within_its_share_gets_a_burst_credit():
     # The owner publishes each key's standing as its latest request carried it.
     load = sched.tier_load("critical", now)
     assert {k.key_id: k.over_share for k in load.keys} == {"calm": False, "x": True, "y": False}
+
+
+def test_admission_counts_of_another_keys_work_only_what_fair_order_runs_first():
+    # The flood's first eight 0.1 s requests come at once, within its share: its tags start a
+    # whole credit (the 1 s tier) before the virtual time V. Four are served; then a calm
+    # request arrives, its tag a credit before V too, and a second one is judged.
+    sched = make("flowprefill")
+    for i in range(8):
+        step(sched, RequestArrived(f"f{i}", "critical", 100, key_id="flood"), 0.0)
+    for i in range(4):
+        (assign,) = step(sched, RequestDone(f"f{i}", "w0"), 0.1 * (i + 1))
+    assert assign.request_id == "f4"
+    step(sched, RequestArrived("c0", "critical", 100, key_id="calm"), 0.4)
+    load = dataclasses.replace(sched.tier_load("critical", 0.4), calibrated=True)  # as if fitted
+    # The flood spent 0.6 s of its credit on the four served: of its 0.4 s left, fair order
+    # runs only f4 (running) before the newcomer, which waits for f4 and c0: 0.2 s. Taking the
+    # flood's credit as unspent, 0.1 s more of it was counted ahead.
+    verdict = judge(TIERS["critical"], [load], 100, key_id="calm")
+    assert verdict.wait_s == pytest.approx(0.2)
+    # And that is the order the scheduler runs: f4, c0, the newcomer, then the flood.
+    step(sched, RequestArrived("c1", "critical", 100, key_id="calm"), 0.4)
+    order = [step(sched, RequestDone(rid, "w0"), t)[0].request_id
+             for rid, t in (("f4", 0.5), ("c0", 0.6), ("c1", 0.7))]  # fmt: skip
+    assert order == ["c0", "c1", "f5"]
+
+
+def test_a_key_keeps_its_standing_through_a_burst_of_its_credit_but_not_past_it():
+    rates = SentRates(window_s=10.0, min_age_s=0.1)
+    # A calm key's start: four 0.1 s requests in 0.2 s, against a share of 0.5 s a second.
+    for i in range(4):
+        rates.add("critical", "calm", 0.1, i * 0.05)
+    assert rates.over_share("critical", "calm", 0.5, 1, 0.2)  # by its rate alone
+    assert not rates.over_share("critical", "calm", 0.5, 1, 0.2, burst_s=0.3)
+    # A flood at 5 s a second is past its share and the same burst within 0.1 s.
+    for i in range(10):
+        rates.add("critical", "flood", 0.05, i * 0.01)
+    assert rates.over_share("critical", "flood", 0.5, 1, 0.1, burst_s=0.3)

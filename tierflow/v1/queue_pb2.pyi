@@ -135,17 +135,19 @@ class TierCapacity(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[_Union[KeyCapacity, _Mapping]]] = ..., error_s: _Optional[float] = ..., busy_share: _Optional[float] = ...) -> None: ...
 
 class KeyCapacity(_message.Message):
-    __slots__ = ("key_id", "weight", "committed_s", "error_s", "running_s", "over_share")
+    __slots__ = ("key_id", "weight", "committed_s", "error_s", "running_s", "over_share", "lead_s")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_S_FIELD_NUMBER: _ClassVar[int]
     RUNNING_S_FIELD_NUMBER: _ClassVar[int]
     OVER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LEAD_S_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     weight: float
     committed_s: float
     error_s: float
     running_s: float
     over_share: bool
-    def __init__(self, key_id: _Optional[str] = ..., weight: _Optional[float] = ..., committed_s: _Optional[float] = ..., error_s: _Optional[float] = ..., running_s: _Optional[float] = ..., over_share: _Optional[bool] = ...) -> None: ...
+    lead_s: float
+    def __init__(self, key_id: _Optional[str] = ..., weight: _Optional[float] = ..., committed_s: _Optional[float] = ..., error_s: _Optional[float] = ..., running_s: _Optional[float] = ..., over_share: _Optional[bool] = ..., lead_s: _Optional[float] = ...) -> None: ...
