@@ -37,22 +37,22 @@ Between the keys of a tier (``fairness``) the scheduler serves in weighted fair 
 work ahead of a newcomer of key k is not all the tier's committed work. Fair order lays each
 key's work out in virtual time from ``V``, less the key's burst credit ``B_j``: the tier's
 capacity (``capacity_j`` below, with key j's own error) for a key within its share of what the
-tier is asked, 0 for a key over it (``fairness.SentRates``: each key the admitting instance
-has seen ask, as it measures that key now, ``standings``; the others as the owner published
-them, ``KeyLoad.over_share``). The owner's is the standing of the last request it was sent: a
-flood whose every request admission refused kept there the standing of its first, within its
-share, and the calm key was charged the flood's unused share (docs/results.md). Where each
-key's committed work lies against ``V`` the owner publishes (``L_j``, ``KeyLoad.lead_s``: how
-much of it fair order places before ``V``, from the key's last finish tag): a key's first
-requests spend its credit, and a flood's, counted as if its credit were unspent, went ahead of
-a calm newcomer that the scheduler ran first (docs/results.md). Where it is unknown (a key
-summed over several owners) ``L_j = B_j``, the credit unspent. The newcomer starts after its
-key's work, at most its credit before ``V``, and finishes at ``f`` past ``V``; of every other
-key j, what lies before ``f`` runs first, or at least ``r_j``, what of key j is prefilling now
-(a newcomer of the tier, due later, does not preempt it). A key over its share of the rate, or holding more than its share of the tier's
-capacity with work of its own already committed (``c_k + own > share_k``, ``c_k > 0``), leaves
-the unused share of every other key within its share free: that key may send it any time and,
-with its credit, run it first.
+tier is asked, 0 for a key over it (``fairness.SentRates``: each key the admitting instance has
+seen ask, as it measures that key now, ``standings``; the others as the owner published them,
+``KeyLoad.over_share``). The owner's is the standing of the last request it was sent: a flood
+whose every request admission refused kept there the standing of its first, within its share,
+and the calm key was charged the flood's unused share (docs/results.md). Where each key's
+committed work lies against ``V`` the owner publishes (``L_j``, ``KeyLoad.lead_s``: how much of
+it fair order places before ``V``, from the key's last finish tag): a key's first requests spend
+its credit, and a flood's, counted as if its credit were unspent, went ahead of a calm newcomer
+that the scheduler ran first (docs/results.md). Where it is unknown (a key summed over several
+owners) ``L_j = B_j``, the credit unspent. The newcomer starts after its key's work, at most its
+credit before ``V``, and finishes at ``f`` past ``V``; of every other key j, what lies before
+``f`` runs first, or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier,
+due later, does not preempt it). A key over its share of the rate, or holding more than its
+share of the tier's capacity with work of its own already committed (``c_k + own > share_k``,
+``c_k > 0``), leaves the unused share of every other key within its share free: that key may
+send it any time and, with its credit, run it first.
 
     f           = (max(c_k - L_k, -B_k) + own) / w_k
     committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + L_j)))
