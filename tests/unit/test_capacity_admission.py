@@ -155,6 +155,17 @@ def test_a_key_within_its_share_waits_for_none_of_the_waiting_work_of_a_key_over
     assert both.predicted_ttft_s == pytest.approx(0.1 + 0.15 + 0.05)
 
 
+def test_a_flood_newcomer_waits_for_a_calm_keys_work_wherever_its_tags_lie():
+    # The calm key's 0.2 s lies past V in fair order (its tags ran ahead), so a flood newcomer
+    # at V would be dealt in before it; admission still counts all of it ahead, as it would
+    # be delayed: 0.2 + 0.05 s.
+    load = flooding(0.0, 0.2)
+    calm = dataclasses.replace(load.keys[1], lead_s=-0.1)
+    load = dataclasses.replace(load, keys=(load.keys[0], calm))
+    verdict = judge(CRITICAL, [load], 50, key_id="flood")
+    assert verdict.predicted_ttft_s == pytest.approx(0.25)
+
+
 def test_a_key_over_its_share_gets_only_what_the_key_within_its_share_leaves():
     # Nothing of its own committed, yet over its share of the rate: the calm key's committed
     # 0.1 s runs first and its unused share (0.15 - 0.1 s) is kept free: 0.1 + 0.05 + 0.1 s.
