@@ -39,7 +39,7 @@ from queue_service.scheduler.capacity import (
     own_prefill_s,
     tier_capacity_s,
 )
-from queue_service.scheduler.fairness import SentRates
+from queue_service.scheduler.fairness import HeldPeaks, SentRates
 from tierflow.tiers import TierPolicy, TierTable
 from tierflow.v1 import queue_pb2
 
@@ -191,6 +191,7 @@ class CapacityBoard:
         # first average: averaged over at least 1 s, a flood that had just begun stayed
         # within its share for its first 5-11 requests, and got the credit with them.
         self._asked = SentRates(min_age_s=0.1)
+        self._held = HeldPeaks()  # what each key asked to hold of each judged tier at once
 
     def update(self, published: PublishedLoad) -> None:
         """A load read from the capacity topic (a newer one of the same owner replaces it).
@@ -244,7 +245,12 @@ class CapacityBoard:
             pending = self.pending(policy.name)
             standings = self._ask(policy, loads, prompt_tokens, key_id, weight)
             over = standings[key_id]
-            verdict = judge(policy, loads, prompt_tokens, pending, key_id, weight, above, standings)
+            peaks = {k: self._held.peak(policy.name, k, self.clock()) for k in standings}
+            verdict = judge(
+                policy, loads, prompt_tokens, pending, key_id, weight, above, standings, peaks
+            )
+            if verdict is not None:
+                self._held.hold(policy.name, key_id, verdict.held_s, self.clock())
             if verdict is None:
                 unjudged = unjudged_reason(loads)
                 return Placement(tier, policy.name, tuple(verdicts), None, unjudged, over)

@@ -173,6 +173,9 @@ class Verdict:
     error_s: float = 0.0
     inflated_s: float = 0.0
     share_left: float = 1.0
+    # What the request's key would hold of the tier with it: its committed work and the
+    # request's own prefill (``fairness.HeldPeaks``).
+    held_s: float = 0.0
 
     @property
     def retry_after_s(self) -> int:
@@ -195,14 +198,16 @@ def judge(
     key_weight: float = 1.0,
     above: Sequence[TierLoad] = (),
     standings: Mapping[str, bool] | None = None,
+    peaks: Mapping[str, float] | None = None,
 ) -> Verdict | None:
     """Whether a request of ``prompt_tokens`` from key ``key_id`` is admitted at ``tier`` on
     top of ``loads`` and of ``pending`` (requests admitted that no load counts yet), behind
     the committed work of the higher tiers (``above``: it runs first on the same workers);
     ``standings``: whether each key admission has seen is over its share, as it measures
-    them now (a key not in it: as the loads say). None when the rule cannot be applied: no
-    worker serves the tier, or no load has a calibrated predictor (the request then stands at
-    its tier)."""
+    them now (a key not in it: as the loads say); ``peaks``: the most each key asked to hold
+    of the tier at once lately (``fairness.HeldPeaks``; a key not in it: its share). None when
+    the rule cannot be applied: no worker serves the tier, or no load has a calibrated
+    predictor (the request then stands at its tier)."""
     workers = sum(load.workers for load in loads)
     calibrated = [load for load in loads if load.calibrated and load.workers > 0]
     if workers == 0 or not calibrated:
@@ -230,14 +235,15 @@ def judge(
     def capacity_s(key: KeyLoad) -> float:  # with the key's own error: see the module's text
         return tier_capacity_s(drain, tier.ttft_slo_s, switch_s + key.error_s)
 
-    ahead_s = _ahead_s(keys, key_id, own_s, capacity_s)
+    ahead_s = _ahead_s(keys, key_id, own_s, capacity_s, peaks or {})
+    held_s = mine.committed_s + own_s
     wait_s = sum(load.committed_s for load in above) / workers + ahead_s / drain
     own_s /= left
     inflated_s = own_s + (wait_s if standing else 0.0)  # the module's text says why
     ttft_s = switch_s + wait_s + own_s + margin * inflated_s + error_s
     return Verdict(
         tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
-        switch_s, error_s, inflated_s, left,
+        switch_s, error_s, inflated_s, left, held_s,
     )  # fmt: skip
 
 
@@ -340,11 +346,16 @@ def tier_capacity_s(workers: float, slo_s: float, switch_s: float) -> float:
 
 
 def _ahead_s(
-    keys: dict[str, KeyLoad], key_id: str, own_s: float, capacity_s: Callable[[KeyLoad], float]
+    keys: dict[str, KeyLoad],
+    key_id: str,
+    own_s: float,
+    capacity_s: Callable[[KeyLoad], float],
+    peaks: Mapping[str, float],
 ) -> float:
-    """The committed work a newcomer of ``key_id`` waits for in fair order, with the unused
-    shares of the other keys within theirs kept free while its key is over its own
-    (``capacity_s``: the tier's capacity as a key's credit and share are reckoned)."""
+    """The committed work a newcomer of ``key_id`` waits for in fair order, with the room of
+    the other keys within their share kept free while its key is over its own (``capacity_s``:
+    the tier's capacity as a key's credit and share are reckoned; ``peaks``: what each key held
+    at once lately)."""
     mine = keys[key_id]
     others = [k for k in keys.values() if k.key_id != key_id]
     weights = [k.weight for k in keys.values()]
@@ -373,6 +384,10 @@ def _ahead_s(
         max(min(k.committed_s, max(0.0, k.weight * finish + laid_out_s(k))), k.running_s)
         for k in others
     )
+
+    def room_s(key: KeyLoad) -> float:  # its share, or what it held at its bursts, to its credit
+        return min(credit_s(key), max(share_s(key), peaks.get(key.key_id, 0.0)))
+
     if mine.over_share or (mine.committed_s > 0 and mine.committed_s + own_s > share_s(mine)):
-        ahead += sum(max(0.0, share_s(k) - k.committed_s) for k in others if not k.over_share)
+        ahead += sum(max(0.0, room_s(k) - k.committed_s) for k in others if not k.over_share)
     return ahead

@@ -214,6 +214,34 @@ class SentRates:
         return seconds * math.exp(-max(0.0, now - as_of) / self.window_s)
 
 
+class HeldPeaks:
+    """The most of a tier each key asked to hold at once lately: at each of its requests,
+    the key's committed work there with the request's own (``capacity.Verdict.held_s``),
+    admitted or not; the peak decays by ``exp(-age / decay_s)``.
+
+    Admission keeps free, for a key within its share, what it holds at its bursts, not only its
+    share of the tier (``capacity._ahead_s``): a key sending a quarter of the tier's capacity
+    at random (Poisson) holds more than its half of it at its bursts (four requests in 100 ms,
+    twice its share), and with the flood filling the rest those bursts missed: 10 of the calm
+    key's 13 misses in one run (docs/results.md). Measured where requests arrive, as
+    ``SentRates`` is."""
+
+    # Long enough to span the gaps between a calm key's bursts (one every 10-20 s in the flood
+    # bench); short enough that a key whose traffic changed gets its share back in a minute.
+    def __init__(self, decay_s: float = 30.0, capacity: int = 10_000) -> None:
+        if not decay_s > 0:
+            raise ValueError("decay_s must be > 0")
+        self.decay_s = decay_s
+        self._peaks: RecentMap[tuple[str, str], tuple[float, float]] = RecentMap(max(1, capacity))
+
+    def hold(self, tier: str, key_id: str, held_s: float, now: float) -> None:
+        self._peaks[(tier, key_id)] = (max(held_s, self.peak(tier, key_id, now)), now)
+
+    def peak(self, tier: str, key_id: str, now: float) -> float:
+        peak_s, as_of = self._peaks.get((tier, key_id), (0.0, now))
+        return peak_s * math.exp(-max(0.0, now - as_of) / self.decay_s)
+
+
 def fair_order(ranked: Sequence[Request], late: Collection[str] = ()) -> list[Request]:
     """``ranked`` (the policy's order) with each tier's requests re-dealt over the tier's own
     places in start-tag order between keys. ``late``: ids of requests predicted to miss their

@@ -4,6 +4,7 @@ between instances (``core.capacity_board``) and the scheduler's committed work, 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -166,6 +167,33 @@ def test_a_flood_newcomer_waits_for_a_calm_keys_work_wherever_its_tags_lie():
     assert verdict.predicted_ttft_s == pytest.approx(0.25)
 
 
+def test_a_key_over_its_share_leaves_free_what_a_calm_key_held_at_its_bursts():
+    # The calm key holds 0.1 s; its share is 0.15 s, but it held 0.25 s at once lately. A
+    # flood newcomer of 0.1 s leaves that free: 0.1 + 0.15 + 0.1 s > 0.3 s.
+    assert judge(CRITICAL, [flooding(0.0, 0.1)], 100, key_id="flood").admit
+    peaks = {"calm": 0.25}
+    verdict = judge(CRITICAL, [flooding(0.0, 0.1)], 100, key_id="flood", peaks=peaks)
+    assert not verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.35)
+    # At most its credit, the whole 0.3 s tier: a peak past it keeps no more.
+    huge = judge(CRITICAL, [flooding(0.0, 0.1)], 10, key_id="flood", peaks={"calm": 9.0})
+    assert huge.predicted_ttft_s == pytest.approx(0.3 + 0.01)
+
+
+def test_admission_keeps_what_a_calm_key_holds_at_its_bursts_for_it():
+    clock = Clock()
+    board = board_with(clock, PublishedLoad("owner", clock.now, keyed(flood=0.0, calm=0.0), {}))
+    for _ in range(200):  # the flood asks 0.05 s every 10 ms for 2 s: over its share
+        clock.now += 0.01
+        board.place("critical", 50, "flood")
+    # Idle, the calm key's share (0.15 s) is kept: 0.15 s of the flood's newcomer fits.
+    assert board.place("critical", 150, "flood").served_tier == "critical"
+    # The calm key asks for 0.25 s at once (a burst, refused or not) ...
+    board.place("critical", 250, "calm")
+    assert board._held.peak("critical", "calm", clock.now) == pytest.approx(0.25)
+    # ... and that, not its share, is kept free for it: the same newcomer no longer fits.
+    assert board.place("critical", 150, "flood").served_tier == "standard"
+
+
 def test_a_key_over_its_share_gets_only_what_the_key_within_its_share_leaves():
     # Nothing of its own committed, yet over its share of the rate: the calm key's committed
     # 0.1 s runs first and its unused share (0.15 - 0.1 s) is kept free: 0.1 + 0.05 + 0.1 s.
@@ -302,10 +330,11 @@ def test_admission_finds_a_key_that_asks_more_than_its_share_over_it():
     calm, flood = board.place("critical", 50, "calm"), board.place("critical", 50, "flood")
     assert calm.served_tier == flood.served_tier == "critical"
     assert not calm.over_share and flood.over_share  # what the owner will be told
-    # Over its share, the calm key's unused share (0.15 s) is kept free: 0.15 + 0.2 > 0.3 s.
+    # Over its share, what the calm key held at once (its first 0.2 s, 2 s ago, more than its
+    # 0.15 s share) is kept free: 0.2 * exp(-2 / 30) + 0.2 > 0.3 s.
     big = board.place("critical", 200, "flood")
     assert big.served_tier == "standard"
-    assert big.verdicts[0].predicted_ttft_s == pytest.approx(0.35)
+    assert big.verdicts[0].predicted_ttft_s == pytest.approx(0.2 * math.exp(-2 / 30) + 0.2)
 
 
 def test_a_keys_start_burst_keeps_its_standing_and_a_floods_start_does_not():

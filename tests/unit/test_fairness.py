@@ -17,7 +17,7 @@ from queue_service.scheduler import (
     make_policy,
 )
 from queue_service.scheduler.capacity import judge
-from queue_service.scheduler.fairness import KeyBook, SentRates, fair_order
+from queue_service.scheduler.fairness import HeldPeaks, KeyBook, SentRates, fair_order
 from queue_service.scheduler.request import Request
 from tests.tiers import UNIT_TIERS
 from tests.unit.test_scheduler import drain_order, make, step
@@ -282,3 +282,13 @@ def test_a_key_keeps_its_standing_through_a_burst_of_its_credit_but_not_past_it(
     for i in range(10):
         rates.add("critical", "flood", 0.05, i * 0.01)
     assert rates.over_share("critical", "flood", 0.5, 1, 0.1, burst_s=0.3)
+
+
+def test_what_a_key_held_at_once_is_its_peak_decaying_over_time():
+    peaks = HeldPeaks(decay_s=30.0)
+    assert peaks.peak("critical", "calm", 0.0) == 0.0
+    peaks.hold("critical", "calm", 0.3, 0.0)
+    peaks.hold("critical", "calm", 0.1, 1.0)  # less than the peak: the peak stays
+    assert peaks.peak("critical", "calm", 1.0) == pytest.approx(0.3 * math.exp(-1 / 30))
+    assert peaks.peak("critical", "calm", 31.0) == pytest.approx(0.3 * math.exp(-31 / 30))
+    assert peaks.peak("standard", "calm", 1.0) == 0.0
