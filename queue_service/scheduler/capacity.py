@@ -55,13 +55,17 @@ missed (docs/results.md). The newcomer starts after its key's work, at most its 
 first, or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later,
 does not preempt it). A key over its share of the rate, or holding more than its share of the
 tier's capacity with work of its own already committed (``c_k + own > share_k``, ``c_k > 0``),
-leaves the unused share of every other key within its share free: that key may send it any time
-and, with its credit, run it first.
+leaves the unused room of every other key within its share free: that key may send it any time
+and, with its credit, run it first. A key's room is its share, or what it asked to hold at once
+lately if more (``P_j``, ``fairness.HeldPeaks``), up to its credit: a calm key's Poisson bursts
+hold twice its share, and with only its share kept, a flood filled the rest and those bursts
+missed (docs/results.md).
 
     f           = (max(c_k - L_k, -B_k) + own) / w_k
     committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + max(L_j, B_j))))
-                      + (sum_j max(0, share_j - c_j)  over keys j within their share,
+                      + (sum_j max(0, room_j - c_j)  over keys j within their share,
                          if k is over its share or c_k > 0 and c_k + own > share_k)
+    room_j      = min(B_j, max(share_j, P_j))
     capacity_j  = W * (SLO - switch_s - error_j)
     share_j     = capacity_j * w_j / (sum of active w)
 
@@ -69,7 +73,7 @@ A key's share is reckoned with its own error ``error_j`` (what admission adds fo
 the tier's: the tier's error is the flood's when one key floods, and reckoned with it a calm
 key's share shrank to about one request (docs/results.md, "One key floods the critical tier").
 
-A key that floods the tier fills at most what the others' committed work and unused shares
+A key that floods the tier fills at most what the others' committed work and unused rooms
 leave of it, and a key within its share has its whole burst ahead of the flood's waiting work.
 With one key the formula is the one above.
 
