@@ -161,6 +161,16 @@ class Scheduler:
             default_margin=self.config.default_prediction_margin
         )
         self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
+        # The same errors per tier, for admission's margin (``tier_load``): a tier's prefills
+        # err as its prompts do, and the batch tier's long prompts and recomputes and the
+        # standard tier's packs are not the critical tier's short prompts. Under a flood the
+        # margin over every prefill was 0.37-0.66 (p10-p90) at the calm key's admissions, its
+        # own prefills' p95 error 0.29, and its borderline requests were refused on the
+        # difference (docs/results.md).
+        self._tier_prediction_errors = {
+            name: PredictionErrors(default_margin=self.config.default_prediction_margin)
+            for name in tiers.names
+        }
         # Admission's own TTFT error, per tier that admission judges (``admission_error``).
         self.admission_errors = AdmissionErrors(
             {name: tiers[name].ttft_slo_s for name in tiers.judged()},
@@ -407,7 +417,7 @@ class Scheduler:
     def _learn_prefill(self, req: Request, ev: PrefillFinished) -> None:
         if req.predicted_prefill_s is not None and not req.restarted:
             # Out of sample: the prediction was made before this run refits the predictor.
-            self.prediction_errors.observe(req.predicted_prefill_s, ev.prefill_s)
+            self._observe_error(req, ev.prefill_s)
         if self.config.refit_predictor and ev.tokens >= 1 and ev.prefill_s > 0:
             self.predictor.observe(PrefillSample(ev.tokens, 0, ev.prefill_s))
 
@@ -416,9 +426,21 @@ class Scheduler:
         if not req.pack or req.pack[0] != req.request_id:
             return
         if req.predicted_prefill_s is not None and not req.restarted:
-            self.prediction_errors.observe(req.predicted_prefill_s, ev.prefill_s)
+            self._observe_error(req, ev.prefill_s)
         if self.config.refit_predictor:
             self._pack_cost.observe(ev.pack_tokens, ev.prefill_s)
+
+    def _observe_error(self, req: Request, prefill_s: float) -> None:
+        self.prediction_errors.observe(req.predicted_prefill_s, prefill_s)
+        self._tier_prediction_errors[req.tier.name].observe(req.predicted_prefill_s, prefill_s)
+
+    def _admission_margin(self, tier: str) -> float:
+        """The margin admission inflates the tier's predictions by: its own prefills' error
+        once it has enough of them, else every prefill's."""
+        errors = self._tier_prediction_errors.get(tier)
+        if errors is not None and len(errors) >= errors.min_samples:
+            return errors.margin()
+        return self.prediction_errors.margin()
 
     def _on_decode_step(self, ev: DecodeStepDone, now: float) -> list[Command]:
         worker = self._workers.get(ev.worker_id)
@@ -874,7 +896,7 @@ class Scheduler:
             ),
             error_s=self.admission_errors.error_s(tier),
             switch_s=self.switch_s(),
-            margin=self.prediction_errors.margin(),
+            margin=self._admission_margin(tier),
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
             busy_share=min(1.0, self._served.rate(tier, "", now) / workers) if workers else 0.0,

@@ -542,6 +542,24 @@ def test_the_scheduler_commits_the_prefill_left_of_its_live_requests_of_the_tier
     assert after.keys[0].running_s == pytest.approx(0.2)
 
 
+def test_admissions_margin_is_the_tiers_own_prefill_error_once_it_has_enough():
+    scheduler = Scheduler("flowprefill", TIERS, PrefillTimePredictor(*PER_TOKEN))
+    scheduler.handle(WorkerJoined("w0", kv_slots=4), 0.0)
+    now = 0.0
+    # Critical prefills come 10 % over their predictions; batch ones 90 % over.
+    for i in range(20):
+        for tier, taken_s in (("critical", 0.11), ("batch", 0.19)):
+            rid = f"{tier}-{i}"
+            scheduler.handle(RequestArrived(rid, tier, 100), now)
+            now += taken_s
+            scheduler.handle(PrefillFinished(rid, "w0", 100, taken_s), now)
+            scheduler.handle(RequestDone(rid, "w0"), now)
+    assert scheduler.tier_load("critical", now).margin == pytest.approx(0.1)
+    assert scheduler.tier_load("batch", now).margin == pytest.approx(0.9)
+    # A tier with too few prefills of its own: every prefill's margin.
+    assert scheduler.tier_load("standard", now).margin == scheduler.prediction_errors.margin()
+
+
 def test_the_scheduler_measures_the_share_of_the_workers_time_each_tiers_prefills_take():
     scheduler = Scheduler("flowprefill", TIERS, PrefillTimePredictor(*PER_TOKEN))
     for worker in ("w0", "w1"):
