@@ -119,9 +119,9 @@ class KeyLoad:
     # The key sent the tier more than its share lately (``fairness``): no burst credit.
     over_share: bool = False
     # How much of ``committed_s`` fair order places before the tier's virtual time ``V``
-    # (prefill seconds: the key's weight times how far its first start tag lies behind V;
-    # negative when it lies past V). None where unknown (summed over several owners, each with
-    # its own V): the key's burst credit is taken as unspent.
+    # (prefill seconds: the committed work less how far past V, weighted, its last finish tag
+    # lies; negative when all of it lies past V). None where unknown (summed over several
+    # owners, each with its own V): the key's burst credit is taken as unspent.
     lead_s: float | None = None
 
 
