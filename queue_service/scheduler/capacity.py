@@ -43,23 +43,26 @@ seen ask, as it measures that key now, ``standings``; the others as the owner pu
 whose every request admission refused kept there the standing of its first, within its share,
 and the calm key was charged the flood's unused share (docs/results.md). Where each key's
 committed work lies against ``V`` the owner publishes (``L_j``, ``KeyLoad.lead_s``: how much of
-it fair order places before ``V``, from the key's last finish tag): a key's first requests spend
-its credit, and a flood's, counted as if its credit were unspent, went ahead of a calm newcomer
-that the scheduler ran first (docs/results.md). Where it is unknown (a key summed over several
-owners) ``L_j = B_j``, the credit unspent. Another key within its share is laid out with at
-least its whole credit (``max(L_j, B_j)``): a newcomer dealt in before part of its work delays
-that part, whose deadlines admission does not check again; laid out where their tags lay, the
-flood's newcomers were admitted ahead of a calm key's waiting work, and 20 of its 200 requests
-missed (docs/results.md). The newcomer starts after its key's work, at most its credit before
-``V``, and finishes at ``f`` past ``V``; of every other key j, what lies before ``f`` runs
-first, or at least ``r_j``, what of key j is prefilling now (a newcomer of the tier, due later,
-does not preempt it). A key over its share of the rate, or holding more than its share of the
-tier's capacity with work of its own already committed (``c_k + own > share_k``, ``c_k > 0``),
-leaves the unused room of every other key within its share free: that key may send it any time
-and, with its credit, run it first. A key's room is its share, or what it asked to hold at once
-lately if more (``P_j``, ``fairness.HeldPeaks``), up to its credit: a calm key's Poisson bursts
-hold twice its share, and with only its share kept, a flood filled the rest and those bursts
-missed (docs/results.md).
+it fair order places before ``V``, from the key's last finish tag): a newcomer starts after its
+own key's work as fair order places it, not as if its key's credit were unspent, and a key over
+its share is laid out where its tags lie, before ``V`` where they were dealt with its credit.
+Both only make admission stricter than laying every key out from ``V`` less its credit; what
+ended the calm key's refusals at a flood's start was the standing (the flood over its share
+within its first requests, ``fairness.SentRates``' burst allowance), not this (docs/results.md).
+Where it is unknown (a key summed over several owners) ``L_j = B_j``, the credit unspent.
+Another key within its share is laid out with at least its whole credit (``max(L_j, B_j)``): a
+newcomer dealt in before part of its work delays that part, whose deadlines admission does not
+check again; laid out where their tags lay, the flood's newcomers were admitted ahead of a calm
+key's waiting work, and 20 of its 200 requests missed (docs/results.md). The newcomer starts
+after its key's work, at most its credit before ``V``, and finishes at ``f`` past ``V``; of
+every other key j, what lies before ``f`` runs first, or at least ``r_j``, what of key j is
+prefilling now (a newcomer of the tier, due later, does not preempt it). A key over its share of
+the rate, or holding more than its share of the tier's capacity with work of its own already
+committed (``c_k + own > share_k``, ``c_k > 0``), leaves the unused room of every other key
+within its share free: that key may send it any time and, with its credit, run it first. A key's
+room is its share, or what it asked to hold at once lately if more (``P_j``,
+``fairness.HeldPeaks``), up to its credit: a calm key's Poisson bursts hold twice its share, and
+with only its share kept, a flood filled the rest and those bursts missed (docs/results.md).
 
     f           = (max(c_k - L_k, -B_k) + own) / w_k
     committed_s = c_k + sum_j max(r_j, min(c_j, max(0, w_j * f + max(L_j, B_j))))
@@ -120,8 +123,9 @@ class KeyLoad:
     over_share: bool = False
     # How much of ``committed_s`` fair order places before the tier's virtual time ``V``
     # (prefill seconds: the committed work less how far past V, weighted, its last finish tag
-    # lies; negative when all of it lies past V). None where unknown (summed over several
-    # owners, each with its own V): the key's burst credit is taken as unspent.
+    # lies, that at most its credit before V; so it may exceed ``committed_s``, and it is
+    # negative where the work ends further past V than it is long). None where unknown (summed
+    # over several owners, each with its own V): the key's burst credit is taken as unspent.
     lead_s: float | None = None
 
 

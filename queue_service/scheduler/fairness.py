@@ -109,9 +109,10 @@ class KeyBook:
         """How much of the key's ``committed_s`` fair order places before the virtual time
         (``capacity.KeyLoad.lead_s``; None for a key not remembered): its work ends at its
         last finish tag, or, for a key whose tags fell behind, where its credit (``credit_s``)
-        would start its next request. Admission lays the key's work out from there, not from
-        its whole credit: a flood's first requests had spent the credit, yet were counted
-        ahead of a calm newcomer that fair order ran first (docs/results.md)."""
+        would start its next request (then it may exceed ``committed_s``). Admission places a
+        newcomer after its own key's work from there, not as if the key's credit were unspent,
+        and lays out a key over its share where its tags lie, before V where they were dealt
+        with its credit (``capacity._ahead_s``)."""
         entry = self._keys.get((tier, key_id))
         if entry is None:
             return None
@@ -201,10 +202,12 @@ class SentRates:
         burst_s: float = 0.0,
     ) -> bool:
         """Whether the key asked more than ``fraction`` (its weight over the active keys'
-        weights) of ``workers`` (a worker does a prefill second a second), beyond a burst of
-        ``burst_s`` seconds of work (a token bucket's depth: what the key may ask at once and
-        keep its standing). With no worker known (no fresh load) nothing can be said: not
-        over."""
+        weights) of ``workers`` (a worker does a prefill second a second) over the decayed
+        window, plus ``burst_s`` seconds of work: a bucket that drains at the key's share and
+        holds its decayed window's worth and ``burst_s`` more. A key that asked little over
+        the last 10 s therefore keeps its standing through about its window's share of work
+        too, not ``burst_s`` alone. With no worker known (no fresh load) nothing can be said:
+        not over."""
         if workers <= 0:
             return False
         allowed_s = self.rate_window_s(tier, key_id, now) * fraction * workers + burst_s
@@ -224,7 +227,10 @@ class HeldPeaks:
     at random (Poisson) holds more than its half of it at its bursts (four requests in 100 ms,
     twice its share), and with the flood filling the rest those bursts missed: 10 of the calm
     key's 13 misses in one run (docs/results.md). Measured where requests arrive, as
-    ``SentRates`` is."""
+    ``SentRates`` is. A refused request counts: a refused burst is what the key needed. So one
+    request as long as the tier's capacity, refused, keeps the whole tier (the room is capped
+    at the key's credit) from keys over their share for some 30 s: the cost falls on keys
+    over their share only."""
 
     # Long enough to span the gaps between a calm key's bursts (one every 10-20 s in the flood
     # bench); short enough that a key whose traffic changed gets its share back in a minute.

@@ -156,6 +156,23 @@ def test_a_key_within_its_share_waits_for_none_of_the_waiting_work_of_a_key_over
     assert both.predicted_ttft_s == pytest.approx(0.1 + 0.15 + 0.05)
 
 
+def test_admission_lays_keys_out_where_their_tags_lie_not_as_if_credits_were_unspent():
+    # The calm key's 0.1 s ends 0.05 s past V (its credit spent in a burst); the flood, over its
+    # share, has 0.25 s dealt 0.2 s before V (with its credit, before it went over). A calm
+    # newcomer of 0.05 s starts after its key's work, at 0.05 s, and all the flood's work comes
+    # first: 0.1 + 0.25 + 0.05 s.
+    load = flooding(0.25, 0.1)
+    flood, calm = load.keys
+    placed = dataclasses.replace(
+        load, keys=(dataclasses.replace(flood, lead_s=0.2), dataclasses.replace(calm, lead_s=0.05))
+    )
+    verdict = judge(CRITICAL, [placed], 50, key_id="calm")
+    assert not verdict.admit and verdict.predicted_ttft_s == pytest.approx(0.4)
+    # Laid out as if the calm key's credit (the 0.3 s tier) were unspent and the flood's work
+    # began at V, none of the flood's work was counted ahead: 0.1 + 0.05 s.
+    assert judge(CRITICAL, [load], 50, key_id="calm").predicted_ttft_s == pytest.approx(0.15)
+
+
 def test_a_flood_newcomer_waits_for_a_calm_keys_work_wherever_its_tags_lie():
     # The calm key's 0.2 s lies past V in fair order (its tags ran ahead), so a flood newcomer
     # at V would be dealt in before it; admission still counts all of it ahead, as it would

@@ -252,16 +252,15 @@ def test_admission_counts_of_another_keys_work_only_what_fair_order_runs_first()
     assert assign.request_id == "f4"
     step(sched, RequestArrived("c0", "critical", 100, key_id="calm"), 0.4)
     load = dataclasses.replace(sched.tier_load("critical", 0.4), calibrated=True)  # as if fitted
-    # Admission now finds the flood over its share (eight requests at once). It spent 0.6 s of
-    # its credit on the four served: of its 0.4 s left, fair order runs only f4 (running)
-    # before the newcomer, which waits for f4 and c0: 0.2 s. Taking the flood's credit as
-    # unspent, 0.1 s more of it was counted ahead.
+    # Admission now finds the flood over its share (eight requests at once). Laid out where
+    # its tags lie, of its 0.4 s left fair order runs only f4 (running) before the newcomer,
+    # whose tag (a credit before V, after c0) comes before f5's: it waits for f4 and c0, 0.2 s.
     over = {"flood": True, "calm": False}
     verdict = judge(TIERS["critical"], [load], 100, key_id="calm", standings=over)
     assert verdict.wait_s == pytest.approx(0.2)
     # A key within its share is laid out with its whole credit at least: a newcomer placed
     # before part of its work would delay that part, whose deadlines admission does not check
-    # again. So is the flood while admission finds it within its share.
+    # again. So is the flood while admission finds it within its share: 0.1 s more ahead.
     within = judge(TIERS["critical"], [load], 100, key_id="calm")
     assert within.wait_s == pytest.approx(0.3)
     # And that is the order the scheduler runs: f4, c0, the newcomer, then the flood.
