@@ -157,69 +157,9 @@ class Scheduler:
         self.tiers = tiers
         self.predictor = predictor if predictor is not None else PrefillTimePredictor()
         self.config = config if config is not None else SchedulerConfig()
-        self.prediction_errors = PredictionErrors(
-            default_margin=self.config.default_prediction_margin
-        )
-        self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
-        # The same errors per tier, for admission's margin (``tier_load``): a tier's prefills
-        # err as its prompts do, and the batch tier's long prompts and recomputes and the
-        # standard tier's packs are not the critical tier's short prompts. Under a flood the
-        # margin over every prefill was 0.37-0.66 (p10-p90) at the calm key's admissions, its
-        # own prefills' p95 error 0.29, and its borderline requests were refused on the
-        # difference (docs/results.md).
-        self._tier_prediction_errors = {
-            name: PredictionErrors(default_margin=self.config.default_prediction_margin)
-            for name in tiers.names
-        }
-        # Admission's own TTFT error, per tier that admission judges (``admission_error``).
-        self.admission_errors = AdmissionErrors(
-            {name: tiers[name].ttft_slo_s for name in tiers.judged()},
-            remember_keys=self.config.remember_keys,
-        )
-        self._rules = planner.Rules(
-            starvation_s=self.config.starvation_s,
-            max_preemptions=(
-                self.policy.max_preemptions
-                if self.config.max_preemptions is None
-                else self.config.max_preemptions
-            ),
-            max_suspended_per_worker=self.config.max_suspended_per_worker,
-        )
-        self._pack_cost = packing.PackCost(self.predictor)
-        self._tier_bounds = decode_batch.TierBounds(
-            tightest_tbt_s=min((t.tbt_slo_s for t in tiers if t.tbt_slo_s), default=0.0),
-            lowest_rank=max((t.rank for t in tiers), default=decode_batch.NO_RANK),
-        )
-        self._pack_limits = packing.PackLimits(
-            self.config.max_pack_size, self.config.max_pack_tokens
-        )
-        self._requests: dict[str, Request] = {}  # live: not yet terminal
-        # The live requests that wait for a prefill, sorted (``waiting_index``).
-        self._index = WaitingIndex(
-            self.policy, self.predictor, self.config.starvation_s, self._pack_limits
-        )
-        # Tier -> key -> (live requests, the key's weight): who holds work in a tier.
-        self._live_keys: dict[str, dict[str, list]] = {name: {} for name in tiers.names}
-        self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
-        self._keys = fairness.KeyBook(self.config.remember_keys)
-        # The prefill seconds each tier's requests took of the workers lately (the same
-        # decayed average as what keys ask, ``fairness.SentRates``): what a higher tier leaves
-        # of the workers is what a lower tier's work drains at (``capacity``, ``busy_share``).
-        # Over a tier's first second its share is that of the time since its first prefill
-        # ended (at least a quarter second), not of a whole second: averaged over a second, a
-        # flood that took 80 % of the worker from its start left standard 0.63-0.85 of it on
-        # paper for half a second, and 11 requests downgraded then waited 9 s (docs/results.md).
-        # The first prefill's own time lies before that, so the share reads high at first (a
-        # downgrade then waits for it to settle); it is at most 1 (``tier_load``).
-        self._served = fairness.SentRates(min_age_s=0.25)
-        self._workers: dict[str, WorkerSlot] = {}  # in join order
-        self._timers: dict[str, float] = {}  # request id -> armed wake-up time
-        self._decided_at = -math.inf  # when the last decision was made
-        # The waiting requests the last decision planned over, and whether that was all.
-        self._planned: tuple[dict[str, float], bool] = ({}, True)
-        self._seq = 0
-        self._worker_seq = 0
-        self._counters: Counter[str] = Counter()
+        self._init_measurements()
+        self._init_limits()
+        self._init_state()
         self._handlers: dict[type, Callable[[Any, float], list[Command]]] = {
             RequestArrived: self._on_arrived,
             PrefillProgress: self._on_progress,
@@ -233,6 +173,79 @@ class Scheduler:
             WorkerLeft: self._on_worker_left,
             WorkerDraining: self._on_worker_draining,
         }
+
+    def _init_measurements(self) -> None:
+        """What the scheduler learns as it runs: how wrong its predictions are, per tier too,
+        admission's own error, and the share of the workers each tier's prefills take."""
+        self.prediction_errors = PredictionErrors(
+            default_margin=self.config.default_prediction_margin
+        )
+        self._estimator = planner.Estimator(self.predictor, self.prediction_errors)
+        # The same errors per tier, for admission's margin (``tier_load``): a tier's prefills
+        # err as its prompts do, and the batch tier's long prompts and recomputes and the
+        # standard tier's packs are not the critical tier's short prompts. Under a flood the
+        # margin over every prefill was 0.37-0.66 (p10-p90) at the calm key's admissions, its
+        # own prefills' p95 error 0.29, and its borderline requests were refused on the
+        # difference (docs/results.md).
+        self._tier_prediction_errors = {
+            name: PredictionErrors(default_margin=self.config.default_prediction_margin)
+            for name in self.tiers.names
+        }
+        # Admission's own TTFT error, per tier that admission judges (``admission_error``).
+        self.admission_errors = AdmissionErrors(
+            {name: self.tiers[name].ttft_slo_s for name in self.tiers.judged()},
+            remember_keys=self.config.remember_keys,
+        )
+        # The prefill seconds each tier's requests took of the workers lately (the same
+        # decayed average as what keys ask, ``fairness.SentRates``): what a higher tier leaves
+        # of the workers is what a lower tier's work drains at (``capacity``, ``busy_share``).
+        # Over a tier's first second its share is that of the time since its first prefill
+        # ended (at least a quarter second), not of a whole second: averaged over a second, a
+        # flood that took 80 % of the worker from its start left standard 0.63-0.85 of it on
+        # paper for half a second, and 11 requests downgraded then waited 9 s (docs/results.md).
+        # The first prefill's own time lies before that, so the share reads high at first (a
+        # downgrade then waits for it to settle); it is at most 1 (``tier_load``).
+        self._served = fairness.SentRates(min_age_s=0.25)
+
+    def _init_limits(self) -> None:
+        """The rules and bounds its decisions keep, from the policy, the config and the tiers."""
+        self._rules = planner.Rules(
+            starvation_s=self.config.starvation_s,
+            max_preemptions=(
+                self.policy.max_preemptions
+                if self.config.max_preemptions is None
+                else self.config.max_preemptions
+            ),
+            max_suspended_per_worker=self.config.max_suspended_per_worker,
+        )
+        self._pack_cost = packing.PackCost(self.predictor)
+        self._tier_bounds = decode_batch.TierBounds(
+            tightest_tbt_s=min((t.tbt_slo_s for t in self.tiers if t.tbt_slo_s), default=0.0),
+            lowest_rank=max((t.rank for t in self.tiers), default=decode_batch.NO_RANK),
+        )
+        self._pack_limits = packing.PackLimits(
+            self.config.max_pack_size, self.config.max_pack_tokens
+        )
+
+    def _init_state(self) -> None:
+        """The live requests, the workers, the keys and the bookkeeping of decisions."""
+        self._requests: dict[str, Request] = {}  # live: not yet terminal
+        # The live requests that wait for a prefill, sorted (``waiting_index``).
+        self._index = WaitingIndex(
+            self.policy, self.predictor, self.config.starvation_s, self._pack_limits
+        )
+        # Tier -> key -> (live requests, the key's weight): who holds work in a tier.
+        self._live_keys: dict[str, dict[str, list]] = {name: {} for name in self.tiers.names}
+        self._finished: RecentMap[str, RequestState] = RecentMap(self.config.remember_finished)
+        self._keys = fairness.KeyBook(self.config.remember_keys)
+        self._workers: dict[str, WorkerSlot] = {}  # in join order
+        self._timers: dict[str, float] = {}  # request id -> armed wake-up time
+        self._decided_at = -math.inf  # when the last decision was made
+        # The waiting requests the last decision planned over, and whether that was all.
+        self._planned: tuple[dict[str, float], bool] = ({}, True)
+        self._seq = 0
+        self._worker_seq = 0
+        self._counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ entry point
 
