@@ -36,6 +36,7 @@ from queue_service.scheduler.capacity import (
     TierLoad,
     Verdict,
     judge,
+    key_loads,
     own_prefill_s,
     tier_capacity_s,
 )
@@ -284,13 +285,11 @@ class CapacityBoard:
         total = sum(weights.values())
         workers = sum(load.workers for load in loads)
         switch_s = max((load.switch_s for load in loads), default=0.0)
-        errors: dict[str, float] = {}
-        for k in (k for load in loads for k in load.keys):
-            errors[k.key_id] = max(k.error_s, errors.get(k.key_id, 0.0))
         tier_error_s = max((load.error_s for load in loads), default=0.0)
+        keys = key_loads(loads, (), lambda tokens: 0.0, tier_error_s)  # each key's own error
 
         def burst_s(k: str) -> float:
-            error_s = errors.get(k, tier_error_s)
+            error_s = keys[k].error_s if k in keys else tier_error_s
             return tier_capacity_s(workers, policy.ttft_slo_s, switch_s + error_s)
 
         return {

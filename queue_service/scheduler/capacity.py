@@ -228,7 +228,7 @@ def judge(
     margin = max(load.margin for load in calibrated)
     switch_s = max(load.switch_s for load in loads)
     tier_error_s = max(load.error_s for load in loads)
-    keys = _key_loads(loads, pending, prefill_s, tier_error_s)
+    keys = key_loads(loads, pending, prefill_s, tier_error_s)
     mine = keys.get(key_id, KeyLoad(key_id, key_weight, 0.0, tier_error_s))
     keys[key_id] = dataclasses.replace(mine, weight=key_weight)
     for k, over in (standings or {}).items():
@@ -282,7 +282,7 @@ class Pending:
     prompt_tokens: int
 
 
-def _key_loads(
+def key_loads(
     loads: Sequence[TierLoad],
     pending: Sequence[Pending],
     prefill_s: Callable[[int], float],
