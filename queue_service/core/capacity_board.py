@@ -246,15 +246,15 @@ class CapacityBoard:
             pending = self.pending(policy.name)
             standings = self._ask(policy, loads, prompt_tokens, key_id, weight)
             over = standings[key_id]
-            peaks = {k: self._held.peak(policy.name, k, self.clock()) for k in standings}
+            now = self.clock()
+            peaks = {k: self._held.peak(policy.name, k, now) for k in standings}
             verdict = judge(
                 policy, loads, prompt_tokens, pending, key_id, weight, above, standings, peaks
             )
-            if verdict is not None:
-                self._held.hold(policy.name, key_id, verdict.held_s, self.clock())
             if verdict is None:
                 unjudged = unjudged_reason(loads)
                 return Placement(tier, policy.name, tuple(verdicts), None, unjudged, over)
+            self._held.hold(policy.name, key_id, verdict.held_s, now)
             if verdict.admit:
                 return Placement(tier, policy.name, tuple(verdicts), verdict, None, over)
             verdicts.append(verdict)
