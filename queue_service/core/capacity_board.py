@@ -37,7 +37,7 @@ from queue_service.scheduler.capacity import (
     Verdict,
     judge,
     key_loads,
-    own_prefill_s,
+    reference_prefill_s,
     tier_capacity_s,
 )
 from queue_service.scheduler.fairness import HeldPeaks, SentRates
@@ -83,6 +83,7 @@ def load_record(published: PublishedLoad) -> queue_pb2.TierCapacity:
         ],
         error_s=load.error_s,
         busy_share=load.busy_share,
+        reference_coefficients=load.reference_coefficients or (),
     )
 
 
@@ -91,6 +92,9 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
     if not record.tier or not record.instance_id or len(record.coefficients) != 3:
         raise ValueError("a tier load needs a tier, an instance id and 3 coefficients")
     a, b, c = record.coefficients
+    reference = tuple(record.reference_coefficients)
+    if reference and len(reference) != 3:
+        raise ValueError("a tier load's reference coefficients are 3 or none")
     load = TierLoad(
         tier=record.tier,
         workers=record.workers,
@@ -113,6 +117,7 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
         ),
         error_s=record.error_s,
         busy_share=record.busy_share,
+        reference_coefficients=reference or None,  # type: ignore[arg-type]
     )
     return PublishedLoad(
         record.instance_id,
@@ -272,14 +277,15 @@ class CapacityBoard:
         key_id: str,
         weight: float,
     ) -> dict[str, bool]:
-        """Count what the request asks of the tier; then, of its key and of every active key
-        that asked here, whether it asked more than its share of the tier's workers lately
-        (among the loads' active keys and the request's), beyond a burst of the key's burst
-        credit (``fairness``: the tier's capacity, with the key's own error). A calm key's
-        Poisson start is such a burst: its first 12 requests came in 1.3 s, and judged on
+        """Count what the request asks of the tier (its prefill seconds as the tier's
+        predictor was first calibrated, ``reference_prefill_s``); then, of its key and of every
+        active key that asked here, whether it asked more than its share of the tier's workers
+        lately (among the loads' active keys and the request's), beyond a burst of the key's
+        burst credit (``fairness``: the tier's capacity, with the key's own error). A calm
+        key's Poisson start is such a burst: its first 12 requests came in 1.3 s, and judged on
         its rate alone it lost its standing at the 11th (docs/results.md)."""
         tier, now = policy.name, self.clock()
-        self._asked.add(tier, key_id, own_prefill_s(loads, prompt_tokens), now)
+        self._asked.add(tier, key_id, reference_prefill_s(loads, prompt_tokens), now)
         weights = {k.key_id: k.weight for load in loads for k in load.keys}
         weights[key_id] = weight
         total = sum(weights.values())

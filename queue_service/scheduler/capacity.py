@@ -145,6 +145,9 @@ class TierLoad:
     # The share of the workers' time the tier's prefills took lately (measured by its owner):
     # what a lower tier's work does not get (``share_left``).
     busy_share: float = 0.0
+    # The predictor's coefficients at its first calibration, not as its online refit follows
+    # the load (``PrefillTimePredictor.reference_coefficients``); None: unknown.
+    reference_coefficients: tuple[float, float, float] | None = None
 
 
 def predict_prefill_s(coefficients: tuple[float, float, float], prompt_tokens: int) -> float:
@@ -159,6 +162,23 @@ def own_prefill_s(loads: Sequence[TierLoad], prompt_tokens: int) -> float:
     predictors (0 when none is)."""
     return max(
         (predict_prefill_s(load.coefficients, prompt_tokens) for load in loads if load.calibrated),
+        default=0.0,
+    )
+
+
+def reference_prefill_s(loads: Sequence[TierLoad], prompt_tokens: int) -> float:
+    """A prompt's prefill seconds as the loads' predictors were first calibrated (the most
+    pessimistic; each load's current coefficients where it has no reference): what a key's
+    request counts against its share (``fairness.SentRates``). Under a flood the online
+    refit followed prefills slowed by the flood's own load on the machine, and a calm key's
+    prompts were predicted 1.6x longer than alone: its steady rate came to its share, and
+    judged over it, it was refused for the last 6 s of a run (docs/results.md)."""
+    return max(
+        (
+            predict_prefill_s(load.reference_coefficients or load.coefficients, prompt_tokens)
+            for load in loads
+            if load.calibrated
+        ),
         default=0.0,
     )
 

@@ -18,20 +18,22 @@ issued, when none is left), kept from going back. A key that floods runs its tag
 
 A key that sends within its share of the tier gets a burst credit ``B``: its next ``B`` seconds
 of work start before ``V``, before the waiting requests of every key over its share. Within its
-share means that the predicted prefill seconds it asked of the tier, admitted or not, decayed
-over the last 10 s, are at most its weight's share of the tier's workers over that time plus a
-burst of ``B`` (a token bucket's depth; ``SentRates``, at admission, which stamps the standing
-on each request it admits: ``key_over_share``). ``B`` is the tier's whole capacity as admission
-reckons it (``capacity.tier_capacity_s``, with the key's own error), not the key's share of it:
-a key sending a quarter of the tier's capacity at random (Poisson) holds more than half of the
-tier's in-flight capacity for a quarter of its requests, and dealt one for one with a flood past
-that half, those requests missed. What it asks bounds what such a key takes over time, and
-admission what it holds at once. A key over its share gets no credit (plain start-time fair
-queueing). Standing is judged on what a key asks, not on its tags: admission throttles a flood,
-so between its admitted requests its tags fell behind ``V``, and a credit given to every key
-whose tags had fallen behind went to the flood too, whose newcomers then went before a calm
-key's burst (docs/results.md, "One key floods the critical tier": a calm request waited 450 ms
-while seven later requests went first).
+share means that the prefill seconds it asked of the tier, admitted or not, decayed over the
+last 10 s, are at most its weight's share of the tier's workers over that time plus a burst of
+``B`` (a token bucket's depth; ``SentRates``, at admission, which stamps the standing on each
+request it admits: ``key_over_share``). A request's seconds are reckoned as the tier's
+predictor was first calibrated, not as it follows the machine under load: the load that other
+keys put on the machine does not count against this key. ``B`` is the tier's whole capacity as
+admission reckons it (``capacity.tier_capacity_s``, with the key's own error), not the key's
+share of it: a key sending a quarter of the tier's capacity at random (Poisson) holds more than
+half of the tier's in-flight capacity for a quarter of its requests, and dealt one for one with
+a flood past that half, those requests missed. What it asks bounds what such a key takes over
+time, and admission what it holds at once. A key over its share gets no credit (plain
+start-time fair queueing). Standing is judged on what a key asks, not on its tags: admission
+throttles a flood, so between its admitted requests its tags fell behind ``V``, and a credit
+given to every key whose tags had fallen behind went to the flood too, whose newcomers then
+went before a calm key's burst (docs/results.md, "One key floods the critical tier": a calm
+request waited 450 ms while seven later requests went first).
 
 The tier's requests then take the tier's places in the policy's ranking in start-tag order:
 
@@ -140,9 +142,10 @@ class KeyBook:
 
 
 class SentRates:
-    """What each key asked of each tier lately, at admission: the predicted prefill seconds of
-    every request it sent, admitted or not, a second, as an exponentially decayed average over
-    ``window_s``; and whether that is over the key's share of the tier's workers.
+    """What each key asked of each tier lately, at admission: the prefill seconds of every
+    request it sent, admitted or not (``capacity.reference_prefill_s``), a second, as an
+    exponentially decayed average over ``window_s``; and whether that is over the key's share
+    of the tier's workers.
 
     Measured where requests arrive, not where they are scheduled: the owner of a tier sees only
     what admission let in, and a flood that admission held to about half a worker looked within

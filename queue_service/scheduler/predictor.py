@@ -98,6 +98,7 @@ class PrefillTimePredictor:
         self._coef = (float(a), float(b), float(c))
         self.min_samples = min_samples
         self._samples: deque[PrefillSample] = deque(maxlen=window)
+        self._reference: tuple[float, float, float] | None = None
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -108,6 +109,16 @@ class PrefillTimePredictor:
         """Fitted to measurements of this machine (a calibration file's or observed ones), not
         the fallback coefficients."""
         return len(self._samples) >= self.min_samples
+
+    @property
+    def reference_coefficients(self) -> tuple[float, float, float] | None:
+        """The coefficients of its first calibration (a calibration file's, or its first
+        online fit), kept while the online refit follows the machine: what a prefill costs on
+        the worker as measured then, alone for ``tierflow calibrate``. Admission reckons a
+        key's share of a tier in it (``fairness.SentRates``), so that what one key's requests
+        count does not grow with the load that other keys put on the machine. None until
+        calibrated."""
+        return self._reference
 
     @property
     def window(self) -> int:
@@ -176,6 +187,8 @@ class PrefillTimePredictor:
         seconds = np.array([s.seconds for s in self._samples], dtype=np.float64)
         coef = _nnls(_features(lengths, done), seconds)
         self._coef = (float(coef[0]), float(coef[1]), float(coef[2]))
+        if self._reference is None and self.calibrated:
+            self._reference = self._coef
 
     # ------------------------------------------------------------------ persistence
 
@@ -193,6 +206,7 @@ class PrefillTimePredictor:
                 "min_samples": self.min_samples,
                 # [prompt_tokens, tokens_done, seconds]: kept so online refits continue from it
                 "samples": [[s.prompt_tokens, s.tokens_done, s.seconds] for s in self._samples],
+                **({"reference": list(self._reference)} if self._reference else {}),
             },
             indent=1,
         )
@@ -219,6 +233,11 @@ class PrefillTimePredictor:
             predictor._samples.extend(
                 PrefillSample(int(L), int(d), float(s)) for L, d, s in data.get("samples", [])
             )
+            if "reference" in data:
+                a, b, c = (float(x) for x in data["reference"])
+                predictor._reference = (a, b, c)
+            elif predictor.calibrated:  # a file from before references were kept
+                predictor._reference = predictor.coefficients
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"invalid prefill predictor file: {exc!r}") from None
         return predictor

@@ -912,6 +912,7 @@ class Scheduler:
             margin=self._admission_margin(tier),
             coefficients=self.predictor.coefficients,
             calibrated=self.predictor.calibrated,
+            reference_coefficients=self.predictor.reference_coefficients,
             busy_share=min(1.0, self._served.rate(tier, "", now) / workers) if workers else 0.0,
         )
 

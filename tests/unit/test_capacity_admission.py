@@ -10,6 +10,7 @@ import pytest
 
 from queue_service.core.capacity_board import (
     CapacityBoard,
+    Placement,
     PublishedLoad,
     load_record,
     published_load,
@@ -370,6 +371,33 @@ def test_a_keys_start_burst_keeps_its_standing_and_a_floods_start_does_not():
     assert standings[:4] == [False] * 4 and standings[-3:] == [True] * 3
 
 
+def test_a_keys_share_is_reckoned_in_what_its_requests_cost_as_first_calibrated():
+    clock = Clock()
+    # Under a flood the owner's refit predicts 1.6x what the calibration did.
+    slowed = dataclasses.replace(
+        keyed(flood=0.0, calm=0.0),
+        coefficients=(1.6e-3, 0.0, 0.0),
+        reference_coefficients=PER_TOKEN,
+    )
+
+    def calm_for_20_s(load: TierLoad) -> list[Placement]:
+        board = board_with(clock)
+        placements = []
+        for _ in range(200):
+            clock.now += 0.1
+            board.update(PublishedLoad("owner", clock.now, load, {}))  # kept fresh
+            placements.append(board.place("critical", 40, "calm"))
+        return placements
+
+    # The calm key asks 0.4 of the worker as calibrated for 20 s: within its half share. As
+    # the refit predicts it would be 0.64, past its share and its burst.
+    placements = calm_for_20_s(slowed)
+    assert all(p.admitting is not None for p in placements)  # every one judged
+    assert not any(p.over_share for p in placements)
+    unreferenced = dataclasses.replace(slowed, reference_coefficients=None)
+    assert calm_for_20_s(unreferenced)[-1].over_share
+
+
 def test_admission_judges_every_key_it_saw_ask_by_what_it_asked_not_by_the_owners_stamp():
     clock = Clock()
     # The owner last saw the flood within its share: admission refused everything after.
@@ -522,6 +550,7 @@ def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
     keyed = dataclasses.replace(
         load(0.7, workers=3, margin=0.2),
         busy_share=0.4,
+        reference_coefficients=(5e-4, 1e-8, 0.01),
         keys=(
             KeyLoad("acme", 2.0, 0.5, running_s=0.25, over_share=True),
             KeyLoad("zed", 1.0, 0.2),
@@ -533,6 +562,14 @@ def test_a_load_survives_its_record_and_a_malformed_one_is_refused():
     del broken.coefficients[:]
     with pytest.raises(ValueError, match="coefficients"):
         published_load(broken)
+    broken = load_record(published)
+    del broken.reference_coefficients[1:]
+    with pytest.raises(ValueError, match="reference"):
+        published_load(broken)
+    unknown = dataclasses.replace(
+        published, load=dataclasses.replace(keyed, reference_coefficients=None)
+    )
+    assert published_load(load_record(unknown)) == unknown
 
 
 # ----------------------------------------------------------------------------- the owner's side

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -75,6 +77,25 @@ def test_json_round_trip(tmp_path):
     loaded = PrefillTimePredictor.load(path)
     assert loaded.coefficients == predictor.coefficients
     assert loaded.predict(3000, 100) == predictor.predict(3000, 100)
+
+
+def test_the_first_calibration_is_kept_as_the_reference_while_the_refit_follows_the_machine():
+    predictor = PrefillTimePredictor(window=10, min_samples=5)
+    assert predictor.reference_coefficients is None  # the fallback is no measurement
+    for sample in synthetic(1e-3, 0.0, 0.0, n=5):
+        predictor.observe(sample)
+    for sample in synthetic(4e-3, 0.0, 0.0, n=10):  # the machine slows under load
+        predictor.observe(sample)
+    assert predictor.coefficients[0] == pytest.approx(4e-3, rel=1e-6)
+    assert predictor.reference_coefficients[0] == pytest.approx(1e-3, rel=1e-6)
+    again = PrefillTimePredictor.from_json(predictor.to_json())
+    assert again.reference_coefficients == predictor.reference_coefficients
+    # A file written before references were kept: its calibration is the reference.
+    old = json.loads(predictor.to_json())
+    del old["reference"]
+    assert PrefillTimePredictor.from_json(json.dumps(old)).reference_coefficients == (
+        predictor.coefficients
+    )
 
 
 def test_invalid_inputs_are_rejected():

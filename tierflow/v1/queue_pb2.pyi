@@ -98,7 +98,7 @@ class FinishedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tier: _Optional[str] = ..., key_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tbt_ms: _Optional[float] = ..., preemptions: _Optional[int] = ..., status: _Optional[str] = ..., deployment: _Optional[str] = ..., policy: _Optional[str] = ..., slo_ms: _Optional[float] = ..., worker_id: _Optional[str] = ..., tbt_p99_ms: _Optional[float] = ..., tbt_slo_ms: _Optional[float] = ..., requested_tier: _Optional[str] = ...) -> None: ...
 
 class TierCapacity(_message.Message):
-    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms", "keys", "error_s", "busy_share")
+    __slots__ = ("tier", "instance_id", "as_of_unix_ms", "workers", "committed_s", "switch_s", "margin", "coefficients", "calibrated", "counted_through_unix_ms", "keys", "error_s", "busy_share", "reference_coefficients")
     class CountedThroughUnixMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class TierCapacity(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ERROR_S_FIELD_NUMBER: _ClassVar[int]
     BUSY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
     tier: str
     instance_id: str
     as_of_unix_ms: int
@@ -132,7 +133,8 @@ class TierCapacity(_message.Message):
     keys: _containers.RepeatedCompositeFieldContainer[KeyCapacity]
     error_s: float
     busy_share: float
-    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[_Union[KeyCapacity, _Mapping]]] = ..., error_s: _Optional[float] = ..., busy_share: _Optional[float] = ...) -> None: ...
+    reference_coefficients: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tier: _Optional[str] = ..., instance_id: _Optional[str] = ..., as_of_unix_ms: _Optional[int] = ..., workers: _Optional[int] = ..., committed_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., margin: _Optional[float] = ..., coefficients: _Optional[_Iterable[float]] = ..., calibrated: _Optional[bool] = ..., counted_through_unix_ms: _Optional[_Mapping[str, int]] = ..., keys: _Optional[_Iterable[_Union[KeyCapacity, _Mapping]]] = ..., error_s: _Optional[float] = ..., busy_share: _Optional[float] = ..., reference_coefficients: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KeyCapacity(_message.Message):
     __slots__ = ("key_id", "weight", "committed_s", "error_s", "running_s", "over_share", "lead_s")
