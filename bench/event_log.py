@@ -3,20 +3,23 @@
 ``tierflow bench --event-log DIR`` writes one file per policy run: every arrival (with the time
 it was due), every command the dispatcher gave a worker (assign, preempt, pause, resume,
 cancel) and every event a runner emitted (progress, first token, decode step, preemption
-acknowledged, done), each with its ``perf_counter`` time; and once a second the machine's CPU
-steal over that second (``bench.cpu_steal``). ``bench.misses`` reads it back and
-says, per request that missed its SLO, what it waited for.
+acknowledged, done), each with its ``perf_counter`` time; once a second the machine's CPU
+steal over that second (``bench.cpu_steal``); and every garbage collection of the process that
+took at least ``GC_LOGGED_S`` (one holds every thread, the engine's too). ``bench.misses``
+reads it back and says, per request that missed its SLO, what it waited for.
 
 Fields: ``t`` (when it was logged), ``kind`` (``arrive`` / ``admit`` / ``command`` / ``event``
-/ ``cpu``), and then the arrival's fields; where admission put it (with a tier's overflow rule:
-``bench --flood``) and each rule's prediction; ``command`` and ``request_ids``; ``event`` (the
-runner event's class) and its fields, whose own ``at`` is when the engine thread made it; or
-``steal`` and ``seconds`` (the share of the ``seconds`` before ``t``).
+/ ``cpu`` / ``gc``), and then the arrival's fields; where admission put it (with a tier's
+overflow rule: ``bench --flood``) and each rule's prediction; ``command`` and ``request_ids``;
+``event`` (the runner event's class) and its fields, whose own ``at`` is when the engine thread
+made it; or ``steal`` and ``seconds`` (the share of the ``seconds`` before ``t``); or
+``generation`` and ``seconds`` of a collection that ended at ``t``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import threading
 import time
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.cpu_steal import StealSampler
+
+GC_LOGGED_S = 0.001
 
 
 class EventLog:
@@ -33,6 +38,21 @@ class EventLog:
         self._file: IO[str] = path.open("w", encoding="utf-8")
         self._lock = threading.Lock()  # the steal sampler writes from its own thread
         self._sampler = StealSampler(self.cpu, steal_interval_s)
+        self._gc_started = 0.0
+        # Collections end in whichever thread ran them, maybe inside ``_write``: kept here,
+        # written with the next record.
+        self._collections: list[dict] = []
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_started = now
+        elif now - self._gc_started >= GC_LOGGED_S:
+            self._collections.append(
+                {"t": now, "kind": "gc", "generation": info["generation"],
+                 "seconds": now - self._gc_started}
+            )  # fmt: skip
 
     def cpu(self, steal: float, seconds: float) -> None:
         self._write("cpu", steal=steal, seconds=seconds)
@@ -63,11 +83,18 @@ class EventLog:
     def _write(self, kind: str, **fields: Any) -> None:
         record = {"t": time.perf_counter(), "kind": kind, **fields}
         with self._lock:
+            self._write_collections()
             self._file.write(json.dumps(record) + "\n")
+
+    def _write_collections(self) -> None:
+        while self._collections:
+            self._file.write(json.dumps(self._collections.pop(0)) + "\n")
 
     def close(self) -> None:
         self._sampler.stop()
+        gc.callbacks.remove(self._on_collection)
         with self._lock:
+            self._write_collections()
             self._file.close()
 
 

@@ -40,6 +40,7 @@ from queue_service.scheduler import (
     RequestDone,
     Scheduler,
 )
+from tierflow.heap import frozen_heap
 from worker import events as runner_events
 from worker.batch_engine import BatchEngine
 from worker.batch_runner import BatchRunner
@@ -423,14 +424,19 @@ def run_policy(
     Nothing happening for ``max_idle_s`` with requests unfinished raises TimeoutError, or, with
     ``stop_when_idle``, ends the run with those requests in ``RunResult.stuck`` (lost)."""
     run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log, admission)
-    try:
-        _drive(run, max_idle_s)
-    except TimeoutError:
-        if not stop_when_idle:
-            raise
-        run.result.stuck = run.stuck()
-    finally:
-        result = run.finish()
+    # The heap as the worker and the queue service keep theirs once started (tierflow.heap):
+    # here a full collection walked the ~430,000 objects of torch, transformers and the
+    # model, held the engine thread about 200 ms, and a critical request waited for a decode
+    # step or a preemption that long (docs/results.md, "Collections in the bench process").
+    with frozen_heap():
+        try:
+            _drive(run, max_idle_s)
+        except TimeoutError:
+            if not stop_when_idle:
+                raise
+            run.result.stuck = run.stuck()
+        finally:
+            result = run.finish()
     return result
 
 

@@ -4,7 +4,8 @@ Reads a replay's timeline (``bench.event_log``). Per request of the tier, from i
 its first token: how long until it was assigned, the preemptions made meanwhile and how long
 each took to be acknowledged, the decode steps that ran (how many were slotted into a
 prefill, and their seconds), its own prefill's engine time, and which requests got their first
-token before it, and the machine's CPU steal meanwhile (``bench.cpu_steal``). The misses
+token before it, the process's garbage collections and the machine's CPU steal meanwhile
+(``bench.cpu_steal``). The misses
 first, slowest first; the rest of the tier's slowest after them; then the mean steal during
 the misses against that during the tier's other requests.
 """
@@ -36,6 +37,7 @@ class Wait:
     preempt_acks_s: tuple[float, ...]  # Preempt to acknowledgement, of those made meanwhile
     first_before: tuple[str, ...]  # requests whose first token came out meanwhile
     steal: float | None = None  # the CPU steal share meanwhile (None: the log has no samples)
+    gc_s: float = 0.0  # the process's garbage collections logged meanwhile (they hold it all)
 
 
 def waits(records: list[dict], tier: str) -> list[Wait]:
@@ -84,6 +86,7 @@ def _wait(records: list[dict], arrival: dict, first: dict, steal: list) -> Wait:
             if r["kind"] == "event" and r["event"] == "FirstToken" and r["request_id"] != rid
         ),
         mean_over(steal, start, end),
+        sum(r["seconds"] for r in inside if r["kind"] == "gc"),
     )
 
 
@@ -95,7 +98,7 @@ def _time(record: dict) -> float:
 
 LAST = "first tokens before it"
 COLUMNS = ("request", "prompt", "TTFT ms", "to assign ms", "own prefill ms",
-           "decode steps (slotted) ms", "preempt acks ms", "CPU steal", LAST)  # fmt: skip
+           "decode steps (slotted) ms", "preempt acks ms", "GC ms", "CPU steal", LAST)  # fmt: skip
 
 
 def report(path: Path, tier: str, slo_s: float, console: Console, slowest: int = 5) -> list[Wait]:
@@ -115,6 +118,7 @@ def report(path: Path, tier: str, slo_s: float, console: Console, slowest: int =
             f"{w.own_prefill_s * 1000:.0f}" + (" (pack)" if w.packed else ""),
             f"{w.steps} ({w.slotted_steps}) {w.step_s * 1000:.0f}",
             " ".join(f"{a * 1000:.0f}" for a in w.preempt_acks_s) or "-",
+            f"{w.gc_s * 1000:.0f}",
             _percent(w.steal),
             " ".join(w.first_before) or "-",
         )

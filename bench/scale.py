@@ -49,7 +49,7 @@ from queue_service.scheduler import (
     WorkerJoined,
     make_policy,
 )
-from tierflow.heap import freeze_startup_heap
+from tierflow.heap import frozen_heap
 from tierflow.tiers import TierTable, load_tiers
 
 CRITICAL = "critical"
@@ -386,8 +386,7 @@ def plot(results: list[dict], path: Path) -> None:
 def main(cfg: ScaleConfig, json_path: Path | None, plot_path: Path | None) -> list[dict]:
     console = Console()
     tiers = load_tiers()
-    freeze_startup_heap()  # as a queue service does once started: collections see its state
-    try:
+    with frozen_heap():  # as a queue service does once started: collections see its state
         arrivals = []
         for live in cfg.arrival_lives:
             windowed, state = arrival_cost(
@@ -397,8 +396,6 @@ def main(cfg: ScaleConfig, json_path: Path | None, plot_path: Path | None) -> li
                 live, cfg.full_planner_samples, None, cfg.policy, cfg.seed, state=state
             )
             arrivals += [windowed, full]
-    finally:
-        gc.unfreeze()  # (a caller's process, a test's, keeps its own collections)
     render_arrivals(arrivals, cfg, console)
     results = []
     for point in cfg.points:

@@ -15,9 +15,10 @@ measures it). Each process also times its collections (``time_collections``:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -33,6 +34,17 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[int]:
+    """``freeze_startup_heap`` for a stretch of a process that serves for a while and then
+    goes on (a benchmark's run; a test's): the heap is unfrozen after it, so the caller's
+    process keeps its own collections. Yields how many objects are frozen."""
+    try:
+        yield freeze_startup_heap()
+    finally:
+        gc.unfreeze()
 
 
 def time_collections(registry: CollectorRegistry, deployment: str) -> Callable[[str, dict], None]:
