@@ -423,12 +423,13 @@ def run_policy(
     ``admission``: apply the tiers' overflow rules at arrival, as the queue service does.
     Nothing happening for ``max_idle_s`` with requests unfinished raises TimeoutError, or, with
     ``stop_when_idle``, ends the run with those requests in ``RunResult.stuck`` (lost)."""
-    run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log, admission)
     # The heap as the worker and the queue service keep theirs once started (tierflow.heap):
     # here a full collection walked the ~430,000 objects of torch, transformers and the
     # model, held the engine thread about 200 ms, and a critical request waited for a decode
     # step or a preemption that long (docs/results.md, "Collections in the bench process").
+    # Frozen before the run's clock starts: the freeze's own collection takes as long.
     with frozen_heap():
+        run = _Run(scheduler, engines, workload, vocab_size, on_progress, event_log, admission)
         try:
             _drive(run, max_idle_s)
         except TimeoutError:
