@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.cpu_steal import StealSampler
+from tierflow.heap import watch_collections
 
 GC_LOGGED_S = 0.001
 
@@ -38,20 +39,16 @@ class EventLog:
         self._file: IO[str] = path.open("w", encoding="utf-8")
         self._lock = threading.Lock()  # the steal sampler writes from its own thread
         self._sampler = StealSampler(self.cpu, steal_interval_s)
-        self._gc_started = 0.0
         # Collections end in whichever thread ran them, maybe inside ``_write``: kept here,
         # written with the next record.
         self._collections: list[dict] = []
-        gc.callbacks.append(self._on_collection)
+        self._watch = watch_collections(self._on_collection)
 
-    def _on_collection(self, phase: str, info: dict) -> None:
-        now = time.perf_counter()
-        if phase == "start":
-            self._gc_started = now
-        elif now - self._gc_started >= GC_LOGGED_S:
+    def _on_collection(self, generation: int, seconds: float) -> None:
+        if seconds >= GC_LOGGED_S:
             self._collections.append(
-                {"t": now, "kind": "gc", "generation": info["generation"],
-                 "seconds": now - self._gc_started}
+                {"t": time.perf_counter(), "kind": "gc", "generation": generation,
+                 "seconds": seconds}
             )  # fmt: skip
 
     def cpu(self, steal: float, seconds: float) -> None:
@@ -92,7 +89,7 @@ class EventLog:
 
     def close(self) -> None:
         self._sampler.stop()
-        gc.callbacks.remove(self._on_collection)
+        gc.callbacks.remove(self._watch)
         with self._lock:
             self._write_collections()
             self._file.close()

@@ -54,14 +54,22 @@ def time_collections(registry: CollectorRegistry, deployment: str) -> Callable[[
         "tierflow_gc_pause_seconds", "Garbage collections of this process, by generation",
         [DEPLOYMENT_LABEL, "generation"], buckets=_PAUSE_BUCKETS, registry=registry,
     )  # fmt: skip
+    return watch_collections(
+        lambda generation, seconds: pauses.labels(deployment, str(generation)).observe(seconds)
+    )
+
+
+def watch_collections(on_pause: Callable[[int, float], None]) -> Callable[[str, dict], None]:
+    """From now on, call ``on_pause(generation, seconds)`` after every garbage collection of
+    this process, in the thread that ran it. Returns the callback: remove it from
+    ``gc.callbacks`` to stop."""
     started = [0.0]  # a collection never overlaps another: one start time suffices
 
     def on_collection(phase: str, info: dict) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
         else:
-            seconds = time.perf_counter() - started[0]
-            pauses.labels(deployment, str(info["generation"])).observe(seconds)
+            on_pause(info["generation"], time.perf_counter() - started[0])
 
     gc.callbacks.append(on_collection)
     return on_collection

@@ -92,9 +92,12 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
     if not record.tier or not record.instance_id or len(record.coefficients) != 3:
         raise ValueError("a tier load needs a tier, an instance id and 3 coefficients")
     a, b, c = record.coefficients
-    reference = tuple(record.reference_coefficients)
-    if reference and len(reference) != 3:
-        raise ValueError("a tier load's reference coefficients are 3 or none")
+    reference = None
+    if record.reference_coefficients:
+        if len(record.reference_coefficients) != 3:
+            raise ValueError("a tier load's reference coefficients are 3 or none")
+        ra, rb, rc = record.reference_coefficients
+        reference = (ra, rb, rc)
     load = TierLoad(
         tier=record.tier,
         workers=record.workers,
@@ -117,7 +120,7 @@ def published_load(record: queue_pb2.TierCapacity) -> PublishedLoad:
         ),
         error_s=record.error_s,
         busy_share=record.busy_share,
-        reference_coefficients=reference or None,  # type: ignore[arg-type]
+        reference_coefficients=reference,
     )
     return PublishedLoad(
         record.instance_id,

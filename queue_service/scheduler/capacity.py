@@ -160,10 +160,7 @@ def predict_prefill_s(coefficients: tuple[float, float, float], prompt_tokens: i
 def own_prefill_s(loads: Sequence[TierLoad], prompt_tokens: int) -> float:
     """A prompt's predicted prefill seconds: the most pessimistic of the loads' calibrated
     predictors (0 when none is)."""
-    return max(
-        (predict_prefill_s(load.coefficients, prompt_tokens) for load in loads if load.calibrated),
-        default=0.0,
-    )
+    return _most_pessimistic(loads, prompt_tokens, lambda load: load.coefficients)
 
 
 def reference_prefill_s(loads: Sequence[TierLoad], prompt_tokens: int) -> float:
@@ -173,12 +170,18 @@ def reference_prefill_s(loads: Sequence[TierLoad], prompt_tokens: int) -> float:
     refit followed prefills slowed by the flood's own load on the machine, and a calm key's
     prompts were predicted 1.6x longer than alone: its steady rate came to its share, and
     judged over it, it was refused for the last 6 s of a run (docs/results.md)."""
+    return _most_pessimistic(
+        loads, prompt_tokens, lambda load: load.reference_coefficients or load.coefficients
+    )
+
+
+def _most_pessimistic(
+    loads: Sequence[TierLoad],
+    prompt_tokens: int,
+    coefficients: Callable[[TierLoad], tuple[float, float, float]],
+) -> float:
     return max(
-        (
-            predict_prefill_s(load.reference_coefficients or load.coefficients, prompt_tokens)
-            for load in loads
-            if load.calibrated
-        ),
+        (predict_prefill_s(coefficients(load), prompt_tokens) for load in loads if load.calibrated),
         default=0.0,
     )
 

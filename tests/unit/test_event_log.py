@@ -8,7 +8,7 @@ import time
 
 from bench.event_log import EventLog, read
 from bench.misses import waits
-from tierflow.heap import frozen_heap
+from tierflow.heap import frozen_heap, watch_collections
 
 
 def test_a_long_collection_is_logged_and_counted_in_the_waits_it_falls_in(tmp_path):
@@ -16,11 +16,8 @@ def test_a_long_collection_is_logged_and_counted_in_the_waits_it_falls_in(tmp_pa
     try:
         start = time.perf_counter()
         log.arrival("c1", "critical", 50, due_at=start)
-        log._on_collection("start", {"generation": 2})
-        time.sleep(0.005)
-        log._on_collection("stop", {"generation": 2})
-        log._on_collection("start", {"generation": 0})  # a young, short one: not logged
-        log._on_collection("stop", {"generation": 0})
+        log._on_collection(2, 0.005)
+        log._on_collection(0, 0.0002)  # a young, short one: not logged
         log._write("event", event="FirstToken", request_id="c1", at=time.perf_counter(),
                    prefill_busy_s=0.001)  # fmt: skip
     finally:
@@ -31,7 +28,20 @@ def test_a_long_collection_is_logged_and_counted_in_the_waits_it_falls_in(tmp_pa
     assert collections[0]["seconds"] >= 0.005
     (wait,) = waits(records, "critical")
     assert wait.gc_s == collections[0]["seconds"]
-    assert log._on_collection not in gc.callbacks  # closed: no longer called
+    assert log._watch not in gc.callbacks  # closed: no longer called
+
+
+def test_every_collection_is_reported_with_its_generation_and_time():
+    pauses: list[tuple[int, float]] = []
+    watch = watch_collections(lambda generation, seconds: pauses.append((generation, seconds)))
+    try:
+        gc.collect(1)
+    finally:
+        gc.callbacks.remove(watch)
+    assert pauses and pauses[-1][0] == 1 and pauses[-1][1] >= 0
+    seen = len(pauses)
+    gc.collect(1)
+    assert len(pauses) == seen  # removed: no longer called
 
 
 def test_a_run_keeps_the_heap_it_started_with_out_of_collections_and_gives_it_back():
