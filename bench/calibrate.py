@@ -17,7 +17,7 @@ from worker.engine import PrefillEngine, RunStatus
 from worker.preemption import PreemptionChannel
 from worker.request import GenerationRequest
 
-DEFAULT_LENGTHS = (32, 128, 512, 1024, 2048, 3072, 4096)
+DEFAULT_LENGTHS = (16, 32, 64, 128, 512, 1024, 2048, 3072, 4096)
 
 
 def measure_prefills(

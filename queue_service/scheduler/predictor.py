@@ -8,7 +8,11 @@ fixed overhead per run:
 
 The coefficients are fitted by non-negative least squares on measured (L, d, seconds) samples:
 at start-up from the file ``tierflow calibrate`` writes, then online from each PrefillFinished
-over a bounded window, so the predictor follows the machine it runs on.
+over a bounded window, so the predictor follows the machine it runs on. The fit minimises each
+sample's error relative to its time, not in seconds: in seconds the long prompts' samples
+outweigh the short ones' a thousandfold, and a calibration over 32-4096 tokens predicted a
+47-token prompt, the top tier's kind, 40 % short of its measured time (admission let in work
+that missed by that much; docs/results.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ MODEL = "a*(L-d) + b*(L^2-d^2) + c"
 # Fallback until calibrated: a CPU that prefills 4096 tokens in ~7 s (a ~1.5 ms/token linear
 # part, the quadratic part ~1.7 s at 4096). `tierflow calibrate` replaces these.
 DEFAULT_COEFFICIENTS = (1.5e-3, 1.0e-7, 0.01)
+MIN_RELATIVE_S = 1e-3  # samples shorter than this are weighed as if this long
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,10 @@ class PrefillTimePredictor:
         lengths = np.array([s.prompt_tokens for s in self._samples])
         done = np.array([s.tokens_done for s in self._samples])
         seconds = np.array([s.seconds for s in self._samples], dtype=np.float64)
-        coef = _nnls(_features(lengths, done), seconds)
+        # Relative residuals: each row scaled by its own time (1 ms at least, so that a
+        # near-zero sample cannot take over the fit).
+        scale = 1.0 / np.maximum(seconds, MIN_RELATIVE_S)
+        coef = _nnls(_features(lengths, done) * scale[:, None], seconds * scale)
         self._coef = (float(coef[0]), float(coef[1]), float(coef[2]))
         if self._reference is None and self.calibrated:
             self._reference = self._coef
