@@ -230,6 +230,7 @@ def choose_preemptions(
     estimator: Estimator,
     rules: Rules,
     now: float,
+    prefill_left: Mapping[str, float],
 ) -> list[Preemption]:
     """Running requests to preempt, for whom, and whether the victim's state is dropped (the
     policy's rule, or its worker's suspended states full) or a decode evicted for it.
@@ -238,17 +239,20 @@ def choose_preemptions(
     simulating when each would start if nothing were preempted (list scheduling on the
     predicted busy time of every worker), which gives the policy the ``wait_s`` it needs to
     judge whether waiting is acceptable. At most one victim per worker and per beneficiary.
+    ``prefill_left``: per worker prefilling, the predicted work left of its prefill, a pack's
+    whole (``packing.work_left``): its first member's own part would make a pack look as if it
+    freed the worker soon and could yield at little cost.
     """
     if not policy.preempts or not workers or not waiting:
         return []
-    free_at, victims = _busy_workers(workers, requests, estimator, rules, now)
+    free_at, victims = _busy_workers(workers, requests, estimator, rules, now, prefill_left)
     lanes = _Lanes(free_at, workers)
     by_id = {w.worker_id: w for w in workers}
     covered = {w.reserved_for for w in workers if w.reserved_for}
     # A new request may not preempt on a draining worker (it takes nothing new there).
     open_victims = {wid: v for wid, v in victims.items() if not by_id[wid].draining}
     # What every (waiting, victim) pair reads, computed once.
-    victim_left = {wid: estimator.prefill_left(v, now) for wid, v in victims.items()}
+    victim_left = {wid: prefill_left[wid] for wid in victims}
     margin, switch_s = estimator.errors.margin(), estimator.switch.p95()
 
     chosen: list[Preemption] = []
@@ -325,9 +329,11 @@ def _busy_workers(
     estimator: Estimator,
     rules: Rules,
     now: float,
+    prefill_left: Mapping[str, float],
 ) -> tuple[dict[str, float], dict[str, Request]]:
     """When each worker's prefill frees if nothing is preempted, and the running requests that
-    may be preempted (by worker id)."""
+    may be preempted (by worker id; a pack by its first member). ``prefill_left``: as
+    ``choose_preemptions`` takes it."""
     free_at: dict[str, float] = {}
     victims: dict[str, Request] = {}
     for worker in workers:
@@ -340,8 +346,9 @@ def _busy_workers(
             busy = estimator.prefill_left(heir, now) if heir is not None and heir.waiting else 0.0
             free_at[worker.worker_id] = now + busy
         else:
-            # A worker's prefill frees when the first token is out; decode is batched.
-            free_at[worker.worker_id] = now + estimator.prefill_left(active, now)
+            # A worker's prefill frees when the first tokens are out (of every member of a
+            # pack); decode is batched.
+            free_at[worker.worker_id] = now + prefill_left[worker.worker_id]
             if rules.preemptible(active, now):
                 victims[worker.worker_id] = active
     return free_at, victims

@@ -353,6 +353,14 @@ class Scheduler:
                 left = packing.work_left(members, self._pack_cost, now)
                 yield from zip(members, left, strict=True)
 
+    def _worker_prefill_left(self, now: float) -> dict[str, float]:
+        """Per worker prefilling, the predicted work left of its prefill (a pack's whole)."""
+        left: dict[str, float] = {}
+        for req, left_s in self._prefill_work_left(now):
+            assert req.worker_id is not None
+            left[req.worker_id] = left.get(req.worker_id, 0.0) + left_s
+        return left
+
     def _on_time(self, req: Request, now: float) -> bool:
         """Whether ``req`` can still make its deadline, as fair order judges it (``fairness``)."""
         return slack_s(req, now, self._estimator.prefill_left(req, now)) >= 0
@@ -597,6 +605,7 @@ class Scheduler:
                 self._estimator,
                 self._rules,
                 now,
+                self._worker_prefill_left(now),
             ):
                 commands += self._preempt(chosen.victim, chosen.beneficiary, chosen.drop_state)
                 if chosen.evict is not None:

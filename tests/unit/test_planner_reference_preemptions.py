@@ -29,6 +29,15 @@ from queue_service.scheduler.request import Request, RequestState, WorkerSlot
 from tests.tiers import UNIT_TIERS
 
 
+def own_prefill_left(workers, requests, estimator: Estimator, now: float) -> dict[str, float]:
+    """Each worker's running request's own prefill left (what a worker without a pack has)."""
+    return {
+        w.worker_id: estimator.prefill_left(requests[w.active], now)
+        for w in workers
+        if w.active in requests
+    }
+
+
 def reference_choose_preemptions(
     waiting: Sequence[Request],
     workers: Sequence[WorkerSlot],
@@ -37,6 +46,7 @@ def reference_choose_preemptions(
     estimator: Estimator,
     rules: Rules,
     now: float,
+    prefill_left: Mapping[str, float] | None = None,  # as choose_preemptions', computed below
 ) -> list[Preemption]:
     """Running requests to preempt, for whom, and whether the victim's state is dropped (the
     policy's rule, or its worker's suspended states full) or a decode evicted for it.
@@ -48,7 +58,14 @@ def reference_choose_preemptions(
     """
     if not policy.preempts or not workers:
         return []
-    free_at, victims = _busy_workers(workers, requests, estimator, rules, now)
+    free_at, victims = _busy_workers(
+        workers,
+        requests,
+        estimator,
+        rules,
+        now,
+        own_prefill_left(workers, requests, estimator, now),
+    )
     covered = {w.reserved_for for w in workers if w.reserved_for}
     seq = {w.worker_id: w.seq for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
@@ -262,7 +279,10 @@ def test_choose_preemptions_decides_as_the_reference(workers_specs, waiting_spec
         requests, workers = build(workers_specs, waiting_specs, now)  # fresh: no shared state
         ranked = rank_waiting(requests.values(), policy, estimator, rules, now, workers)
         waiting = [r for r in ranked if r.waiting]
-        results.append(summary(choose(waiting, workers, requests, policy, estimator, rules, now)))
+        left = own_prefill_left(workers, requests, estimator, now)  # no packs here
+        results.append(
+            summary(choose(waiting, workers, requests, policy, estimator, rules, now, left))
+        )
     assert results[0] == results[1]
 
 

@@ -182,6 +182,30 @@ def test_a_pack_gives_way_to_a_higher_tier_only():
     assert sched.state_of("a") is RequestState.RUNNING
 
 
+def test_a_higher_tier_waits_for_the_whole_pack_not_its_first_member():
+    """The planner reads a running pack's work left as the whole pack's (``packing.work_left``),
+    not its first member's alone: a tight lower-tier pack of 0.46 s left keeps its turn before a
+    critical request that still makes its deadline behind all of it. Read as its first member's
+    part, the pack looked as if it could yield and lose nothing, and was preempted, its four
+    members then past their deadlines."""
+    tiers = TierTable(
+        [
+            TierPolicy("critical", 0, 2.0),
+            TierPolicy("standard", 1, 4.7),
+            TierPolicy("batch", 2, 100.0, sheddable=True),
+        ]
+    )
+    sched = batched(tiers=tiers)
+    busy_with(sched, tokens=4000)  # 4 s
+    for rid in "abcd":  # due at 4.7: 512 tokens packed from 4.0, 1.2 x 0.512 s, fit
+        assert step(sched, RequestArrived(rid, "standard", 128, arrival_s=0.0), 0.01) == []
+    assert first_token(sched, "long", 4.0) == [AssignPacked(tuple("abcd"), "w0")]
+    # Due at 6.05, it makes it behind the pack's 0.462 s left. Held off for its 0.2 s x 1.2,
+    # the pack (0.188 s to spare) would miss 4.7; its first member's 0.078 s would not.
+    assert arrive(sched, "premium", "critical", 200, 4.05) == []
+    assert all(sched.state_of(r) is RequestState.RUNNING for r in "abcd")
+
+
 def test_no_pack_without_free_kv_slots_nor_on_a_single_slot_worker():
     sched = batched(kv_slots=3)
     busy_with(sched)
