@@ -220,13 +220,16 @@ def checks(scenarios: dict) -> dict:
         return group["rate"] if group["n"] else math.nan
 
     calm = on["calm at critical"]
-    gap = abs(share(on["standard own"]) - share(reject["standard own"]))
+    # What downgrading costs the standard tier's own requests, against rejecting: one-sided. A
+    # reject run can be the worse one for them (the flood's admitted requests filled the
+    # critical tier's spare capacity, and critical goes first: docs/results.md).
+    lost_points = share(reject["standard own"]) - share(on["standard own"])
     return {
         "calm key >= 0.99 over >= 200": calm["n"] >= 200 and share(calm) >= 0.99,
         "calm key no worse than alone": calm["met"] >= alone["calm at critical"]["met"],
         "admitted critical >= 0.99": share(on["admitted critical"]) >= 0.99,
         "none lost": all(s["lost"] == 0 for s in scenarios.values()),
-        "standard within 5 points of reject run": gap <= 0.05,
+        "standard no more than 5 points below reject run": lost_points <= 0.05,
     }
 
 

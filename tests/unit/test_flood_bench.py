@@ -90,7 +90,12 @@ def test_the_summary_counts_each_group_of_the_issue():
     assert (summary["standard own"]["met"], summary["standard own"]["n"]) == (1, 2)
     verdict = checks({name: summary for name in SCENARIOS})
     assert verdict["calm key >= 0.99 over >= 200"] is False and verdict["none lost"] is False
-    assert verdict["standard within 5 points of reject run"] is True
+    standard = "standard no more than 5 points below reject run"
+    assert verdict[standard] is True
+    every = {name: summary for name in SCENARIOS}
+    starved = {**summary, "standard own": {"met": 0, "n": 2, "rate": 0.0}}
+    assert not checks({**every, "flood, downgrade": starved})[standard]  # downgrading cost it
+    assert checks({**every, "flood, reject": starved})[standard]  # rejecting was the worse
 
 
 def test_the_flood_command_runs_every_scenario_and_writes_json_and_png(tmp_path):
