@@ -21,7 +21,7 @@ DEFAULT_TIERS_PATH = Path(__file__).resolve().parents[1] / "config" / "tiers.tom
 TIERS_FILE_ENV = "TIERFLOW_TIERS_FILE"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_KEYS = {"rank", "ttft_slo_s", "tbt_slo_s", "sheddable", "overflow"}
+_KEYS = {"rank", "ttft_slo_s", "tbt_slo_s", "sheddable", "overflow", "borrow_limit"}
 # What admission does with a request of a tier whose capacity it would exceed
 # (``queue_service.scheduler.capacity``): serve it at the next tier down, or refuse it.
 OVERFLOW_RULES = ("downgrade", "reject")
@@ -60,6 +60,10 @@ class TierPolicy:
     tbt_slo_s: float | None = None
     # Admission against the tier's capacity: "downgrade", "reject", or None (admit everything).
     overflow: str | None = None
+    # A key over its share of the tier is admitted into the tier's spare capacity only while
+    # the tier's prefills take less than this share of its workers' time (1.0: all of it). The
+    # tier goes first, so what it borrows the lower tiers lose (docs/design.md, "Admission").
+    borrow_limit: float = 1.0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -83,6 +87,14 @@ class TierPolicy:
         if not isinstance(self.sheddable, bool):
             raise ValueError(
                 f"tier {self.name!r}: sheddable must be true or false, got {self.sheddable!r}"
+            )
+        limit = self.borrow_limit
+        if (
+            isinstance(limit, bool) or not isinstance(limit, int | float)
+            or not 0 <= limit <= 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"tier {self.name!r}: borrow_limit must be a number in [0, 1], got {limit!r}"
             )
         if self.overflow is not None and self.overflow not in OVERFLOW_RULES:
             raise ValueError(
@@ -188,6 +200,7 @@ class TierTable:
                         sheddable=body.get("sheddable", False),
                         tbt_slo_s=body.get("tbt_slo_s"),
                         overflow=body.get("overflow"),
+                        borrow_limit=body.get("borrow_limit", 1.0),
                     )
                 )
             except ValueError as exc:

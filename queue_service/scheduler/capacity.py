@@ -80,6 +80,14 @@ A key that floods the tier fills at most what the others' committed work and unu
 leave of it, and a key within its share has its whole burst ahead of the flood's waiting work.
 With one key the formula is the one above.
 
+What a key over its share fills is the tier's spare capacity, and the tier runs before every
+lower tier: borrowed up to the workers' whole time, it starved them (a flood kept 457-496
+requests at critical in two runs of five, and standard's own requests met their SLO 95 and 46
+times of 133, against 133 in the same runs' other scenario; docs/results.md). So a key over
+its share is admitted only while the tier's prefills take less than the tier's
+``borrow_limit`` of its workers' time (``busy_share``, as the owners measure and publish it);
+a key within its share is not held to it.
+
 A request downgraded to the next tier is judged there too: it is served at the lower tier only
 if it can meet that tier's SLO, else refused. So a downgrade never turns a flood of the top
 tier into an unbounded backlog of the next one. The higher tiers' committed work runs first, on
@@ -207,6 +215,10 @@ class Verdict:
     # What the request's key would hold of the tier with it: its committed work and the
     # request's own prefill (``fairness.HeldPeaks``).
     held_s: float = 0.0
+    # The tier's busy share, and whether it closed the tier's spare capacity to the request's
+    # key (over its share, the tier at its ``borrow_limit``).
+    busy_share: float = 0.0
+    borrow_closed: bool = False
 
     @property
     def retry_after_s(self) -> int:
@@ -214,6 +226,11 @@ class Verdict:
         return max(1, math.ceil(self.predicted_ttft_s - self.slo_s))
 
     def reason(self) -> str:
+        if self.borrow_closed:
+            return (
+                f"the {self.tier} tier's spare capacity is taken: its key is over its share and "
+                f"the tier's prefills take {self.busy_share:.0%} of its workers' time"
+            )
         return (
             f"the {self.tier} tier is at capacity: predicted time to first token "
             f"{self.predicted_ttft_s:.2f} s against its SLO of {self.slo_s:g} s"
@@ -272,9 +289,11 @@ def judge(
     own_s /= left
     inflated_s = own_s + (wait_s if standing else 0.0)  # the module's text says why
     ttft_s = switch_s + wait_s + own_s + margin * inflated_s + error_s
+    busy = busy_share(loads)
+    closed = standing and busy >= tier.borrow_limit
     return Verdict(
-        tier.name, ttft_s <= tier.ttft_slo_s, ttft_s, tier.ttft_slo_s, wait_s, own_s, margin,
-        switch_s, error_s, inflated_s, left, held_s,
+        tier.name, ttft_s <= tier.ttft_slo_s and not closed, ttft_s, tier.ttft_slo_s, wait_s,
+        own_s, margin, switch_s, error_s, inflated_s, left, held_s, busy, closed,
     )  # fmt: skip
 
 
@@ -285,15 +304,19 @@ MIN_SHARE_LEFT = 0.05
 
 def share_left(above: Sequence[TierLoad]) -> float:
     """The share of the workers' time the higher tiers (``above``: their loads, every owner's)
-    leave to a lower tier: 1 less each higher tier's busy share, that tier's owners' shares
-    weighted by their workers."""
+    leave to a lower tier: 1 less each higher tier's busy share."""
+    return max(MIN_SHARE_LEFT, 1.0 - busy_share(above))
+
+
+def busy_share(loads: Sequence[TierLoad]) -> float:
+    """The share of the workers' time the prefills of the tiers of ``loads`` took lately: each
+    tier's owners' busy shares weighted by their workers, summed over the tiers."""
     busy: dict[str, float] = {}
     workers: dict[str, int] = {}
-    for load in above:
+    for load in loads:
         busy[load.tier] = busy.get(load.tier, 0.0) + load.busy_share * load.workers
         workers[load.tier] = workers.get(load.tier, 0) + load.workers
-    taken = sum(busy[t] / workers[t] for t in busy if workers[t])
-    return max(MIN_SHARE_LEFT, 1.0 - taken)
+    return sum(busy[t] / workers[t] for t in busy if workers[t])
 
 
 @dataclass(frozen=True)

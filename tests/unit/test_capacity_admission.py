@@ -143,6 +143,23 @@ def flooding(flood: float, calm: float, *, running_s: float = 0.0, **changes) ->
     return dataclasses.replace(keyed(flood=flood, calm=calm), keys=keys, **changes)
 
 
+def test_a_key_over_its_share_borrows_the_tiers_spare_capacity_only_below_its_borrow_limit():
+    """The tier runs before every lower tier: what a key borrows past its share they lose."""
+    capped = dataclasses.replace(CRITICAL, borrow_limit=0.5)
+    idle = dataclasses.replace(flooding(0.0, 0.0), busy_share=0.3)
+    busy = dataclasses.replace(flooding(0.0, 0.0), busy_share=0.6)
+    assert judge(capped, [idle], 40, key_id="flood").admit
+    refused = judge(capped, [busy], 40, key_id="flood")
+    assert not refused.admit and refused.borrow_closed and refused.predicted_ttft_s < 0.3
+    assert "spare capacity" in refused.reason() and "60%" in refused.reason()
+    assert judge(capped, [busy], 40, key_id="calm").admit  # within its share: not held to it
+    assert judge(CRITICAL, [busy], 40, key_id="flood").admit  # no limit: the whole workers
+    # Two owners: their busy shares weighted by their workers (0.9 and 0.1 x 3: 0.3 in all).
+    two = [dataclasses.replace(flooding(0.0, 0.0, workers=w), busy_share=b)
+           for w, b in ((1, 0.9), (3, 0.1))]  # fmt: skip
+    assert judge(capped, two, 40, key_id="flood").admit
+
+
 def test_a_key_within_its_share_waits_for_none_of_the_waiting_work_of_a_key_over_its_share():
     # The calm key has 0.1 s committed and a 0.05 s newcomer: within its burst credit (the
     # tier's capacity, 0.3 s) fair order runs them before the flood's waiting 0.25 s.
@@ -783,11 +800,17 @@ def test_the_overflow_rule_is_read_checked_and_the_lowest_tier_cannot_downgrade(
         loads_tiers(text.replace('"reject"', '"drop"'))
     with pytest.raises(ValueError, match="no tier to downgrade to"):
         loads_tiers(text + '    overflow = "downgrade"\n')
+    assert tiers["gold"].borrow_limit == 1.0  # by default a key may borrow all the workers
+    limited = loads_tiers(text.replace('"reject"', '"reject"\n    borrow_limit = 0.25'))
+    assert limited["gold"].borrow_limit == 0.25
+    for bad in ("1.5", "-0.1", "true", '"half"'):
+        with pytest.raises(ValueError, match="borrow_limit must be a number in"):
+            loads_tiers(text.replace('"reject"', f'"reject"\n    borrow_limit = {bad}'))
 
 
 def test_the_shipped_table_downgrades_critical_overflow():
     from tierflow.tiers import load_tiers
 
     tiers = load_tiers()
-    assert tiers["critical"].overflow == "downgrade"
+    assert tiers["critical"].overflow == "downgrade" and tiers["critical"].borrow_limit == 0.5
     assert tiers.below("critical").name == "standard"
