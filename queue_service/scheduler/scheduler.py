@@ -596,7 +596,7 @@ class Scheduler:
         # Pack members started too: only what still waits may cause a preemption, find a slot
         # or need a wake-up (a preemption or a pause changes no waiting request's state).
         still_waiting = [r for r in ranked if r.waiting]
-        if self.policy.preempts:
+        if self.policy.preempts and still_waiting:  # (what choose_preemptions reads costs)
             for chosen in planner.choose_preemptions(
                 still_waiting,
                 workers,
