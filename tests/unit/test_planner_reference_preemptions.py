@@ -46,7 +46,7 @@ def reference_choose_preemptions(
     estimator: Estimator,
     rules: Rules,
     now: float,
-    prefill_left: Mapping[str, float] | None = None,  # as choose_preemptions', computed below
+    prefill_left: Mapping[str, float],
 ) -> list[Preemption]:
     """Running requests to preempt, for whom, and whether the victim's state is dropped (the
     policy's rule, or its worker's suspended states full) or a decode evicted for it.
@@ -58,14 +58,7 @@ def reference_choose_preemptions(
     """
     if not policy.preempts or not workers:
         return []
-    free_at, victims = _busy_workers(
-        workers,
-        requests,
-        estimator,
-        rules,
-        now,
-        own_prefill_left(workers, requests, estimator, now),
-    )
+    free_at, victims = _busy_workers(workers, requests, estimator, rules, now, prefill_left)
     covered = {w.reserved_for for w in workers if w.reserved_for}
     seq = {w.worker_id: w.seq for w in workers}
     suspended = {w.worker_id: len(w.suspended) for w in workers}
@@ -107,18 +100,30 @@ def reference_choose_preemptions(
             continue
         victim, drop = picked
         assert victim.worker_id is not None
-        evict = None
-        if drop and not policy.drop_state and full[victim.worker_id] and pinned is None:
-            rows = decoding[victim.worker_id]
-            evict = reference_cheaper_eviction(victim, req, rows, estimator, now)
-        if evict is not None and suspended[victim.worker_id] < rules.max_suspended_per_worker:
-            decoding[victim.worker_id].remove(evict)
-            chosen.append(Preemption(victim, req, False, evict))
-        else:
-            chosen.append(Preemption(victim, req, drop))
+        chosen.append(
+            reference_preemption(
+                victim, req, drop, pinned, full, suspended, decoding, policy, estimator,
+                rules, now,
+            )
+        )  # fmt: skip
         del victims[victim.worker_id]
         free_at[victim.worker_id] = now + busy
     return chosen
+
+
+def reference_preemption(
+    victim, req, drop, pinned, full, suspended, decoding, policy, estimator, rules, now
+) -> Preemption:
+    """The preemption of ``victim`` for ``req``: its state dropped, or a cheaper decode
+    evicted in its place where its worker's KV slots are full."""
+    wid = victim.worker_id
+    evict = None
+    if drop and not policy.drop_state and full[wid] and pinned is None:
+        evict = reference_cheaper_eviction(victim, req, decoding[wid], estimator, now)
+    if evict is not None and suspended[wid] < rules.max_suspended_per_worker:
+        decoding[wid].remove(evict)
+        return Preemption(victim, req, False, evict)
+    return Preemption(victim, req, drop)
 
 
 def reference_cheaper_eviction(
